@@ -1,0 +1,339 @@
+"""Llama 4 text model in Flax NNX with a functional core.
+
+Modules are thin: each declares its weights once with `weight(...)` (shape, logical axes, init) and calls
+plain functions for the math. The weight declarations drive init, sharding (sharding.py reads the
+`logical_axes` metadata) and checkpoint restore (abstract state from `nnx.eval_shape`).
+
+Einsum glossary: B batch, T new tokens, S key/cache positions, D model, H query heads, K kv heads,
+G query heads per kv head, Dh head dim, F ffn width, E experts, V vocab, N flattened tokens.
+
+Positions: with right-padded prompts and per-row cache lengths, a token's RoPE position, its cache slot
+and its temperature-tuning position are the same number, exactly as in HF for unpadded rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maverick import kv_cache as kvc
+from maverick import moe
+from maverick.config import Config
+
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight declaration
+# ----------------------------------------------------------------------------------------------
+def weight(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, *,
+           init: str = "normal", fan_in: int | None = None) -> nnx.Param:
+  """A parameter with its logical axes. init: 'normal' (std 1/sqrt(fan_in)) or 'ones'."""
+  assert len(shape) == len(axes), (shape, axes)
+  if init == "ones":
+    value = jnp.ones(shape, dtype)
+  else:
+    std = 1.0 / np.sqrt(fan_in if fan_in is not None else shape[0])
+    value = (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+  return nnx.Param(value, logical_axes=tuple(axes))
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain functions
+# ----------------------------------------------------------------------------------------------
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+  """HF Llama RMSNorm: normalise in f32, cast back to x.dtype, THEN multiply by the weight."""
+  xf = x.astype(jnp.float32)
+  y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+  return y if w is None else y * w
+
+
+def rope_inv_freq(cfg: Config) -> np.ndarray:
+  """Inverse frequencies [Dh/2] in float32, with llama3 scaling chosen by `where`, never blended
+  across bands (Scout's low == high factor would give 0/0)."""
+  dh = cfg.head_dim
+  inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dh, 2, dtype=np.float32) / dh)))
+  inv = inv.astype(np.float32)
+  rs = cfg.rope_scaling
+  if rs is None:
+    return inv
+  old = np.float32(rs.original_max_position_embeddings)
+  lo, hi, factor = np.float32(rs.low_freq_factor), np.float32(rs.high_freq_factor), np.float32(rs.factor)
+  wavelen = np.float32(2 * np.pi) / inv
+  scaled = np.where(wavelen > old / lo, inv / factor, inv)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  is_medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+  return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Interleaved-pair RoPE: (x[2j], x[2j+1]) is one complex number rotated by pos * inv_freq[j]."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+  x0, x1 = xf[..., 0], xf[..., 1]
+  out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+  return out.reshape(x.shape).astype(x.dtype)
+
+
+def temperature_scale(positions: jax.Array, floor_scale: float, attn_scale: float) -> jax.Array:
+  """Llama 4 NoPE-layer query scale at absolute (cache) positions; note the `p + 1`."""
+  p = positions.astype(jnp.float32)
+  return jnp.log1p(jnp.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, chunk_size: int | None) -> jax.Array:
+  """[B, T, S] visibility: causal by absolute position; on chunked layers also the same chunk,
+  chunks aligned to position 0 (not a sliding window). Negative kv positions are empty slots."""
+  q = q_pos[:, :, None]
+  kv = kv_pos[:, None, :]
+  mask = (kv <= q) & (kv >= 0)
+  if chunk_size is not None:
+    mask &= (kv // chunk_size) == (q // chunk_size)
+  return mask
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """GQA attention (XLA reference). q [B,T,H,Dh], k/v [B,S,K,Dh], mask [B,T,S] -> [B,T,H,Dh].
+  Query head j uses kv head j // G (HF repeat_kv is repeat_interleave)."""
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  q = q.reshape(B, T, K, H // K, Dh)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (Dh ** -0.5)
+  scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(B, T, H, Dh).astype(q.dtype)
+
+
+def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array) -> jax.Array:
+  g = jnp.einsum("...d,df->...f", x, gate_df)
+  u = jnp.einsum("...d,df->...f", x, up_df)
+  return jnp.einsum("...f,fd->...d", jax.nn.silu(g) * u, down_fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs):
+    self.weight = weight(rngs, (dim,), ("norm",), dtype, init="ones")
+    self.eps = eps
+
+  def __call__(self, x):
+    return rms_norm(x, self.weight[...], self.eps)
+
+
+class Attention(nnx.Module):
+  """Llama 4 attention for one layer. `input_dim` differs from the model width only in the EAGLE-3
+  draft layer, whose q/k/v read [embedding; hidden] (2D)."""
+
+  def __init__(self, cfg: Config, layer: int, rngs: nnx.Rngs, input_dim: int | None = None):
+    D, H, K, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    Din = input_dim or D
+    dt = jnp.dtype(cfg.dtype)
+    self.q = weight(rngs, (Din, H, Dh), ("embed", "q_heads", "head_dim"), dt)
+    self.k = weight(rngs, (Din, K, Dh), ("embed", "kv_heads", "head_dim"), dt)
+    self.v = weight(rngs, (Din, K, Dh), ("embed", "kv_heads", "head_dim"), dt)
+    self.o = weight(rngs, (H, Dh, D), ("q_heads", "head_dim", "embed"), dt, fan_in=H * Dh)
+    self.use_rope = cfg.uses_rope(layer)
+    self.qk_norm = cfg.use_qk_norm and self.use_rope
+    self.temperature_tuning = cfg.attn_temperature_tuning and not self.use_rope
+    self.chunk_size = cfg.attention_chunk_size if cfg.is_chunked(layer) else None
+    self.eps = cfg.rms_norm_eps
+    self.floor_scale, self.attn_scale = cfg.floor_scale, cfg.attn_scale
+    self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg))  # static: a constant in HLO
+
+  def __call__(self, x_btd, positions_bt, layer_cache=None, cache_lengths=None, *,
+               attend_to_cache: bool = True):
+    """Returns (output [B,T,D], (k_cache, v_cache) or None).
+
+    With a cache, the new keys/values are written at slots cache_lengths[b] + t. `attend_to_cache=False`
+    (prefill into an empty cache) attends among the new tokens only, avoiding a T x capacity score
+    matrix."""
+    q = jnp.einsum("btd,dhk->bthk", x_btd, self.q[...])
+    k = jnp.einsum("btd,dhk->bthk", x_btd, self.k[...])
+    v = jnp.einsum("btd,dhk->bthk", x_btd, self.v[...])
+    if self.use_rope:
+      inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+      q = apply_rope(q, positions_bt, inv_freq)
+      k = apply_rope(k, positions_bt, inv_freq)
+    if self.qk_norm:  # weightless RMS norm after RoPE (not a unit L2 norm)
+      q = rms_norm(q, None, self.eps)
+      k = rms_norm(k, None, self.eps)
+    if self.temperature_tuning:  # query only, by cache position
+      scale = temperature_scale(positions_bt, self.floor_scale, self.attn_scale)
+      q = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(q.dtype)
+
+    new_cache = None
+    keys, values, kv_pos = k, v, positions_bt
+    if layer_cache is not None:
+      k_cache = kvc.write(layer_cache[0], k, cache_lengths)
+      v_cache = kvc.write(layer_cache[1], v, cache_lengths)
+      new_cache = (k_cache, v_cache)
+      if attend_to_cache:
+        B, S = k_cache.shape[:2]
+        keys, values = k_cache, v_cache
+        kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    mask = attention_mask(positions_bt, kv_pos, self.chunk_size)
+    out = attention(q, keys, values, mask)
+    return jnp.einsum("bthk,hkd->btd", out, self.o[...]), new_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU: dense layers use intermediate_size_mlp, the shared expert intermediate_size."""
+
+  def __init__(self, dim: int, width: int, dtype, rngs: nnx.Rngs, axis: str = "mlp"):
+    self.gate = weight(rngs, (dim, width), ("embed", axis), dtype)
+    self.up = weight(rngs, (dim, width), ("embed", axis), dtype)
+    self.down = weight(rngs, (width, dim), (axis, "embed"), dtype)
+
+  def __call__(self, x):
+    return swiglu(x, self.gate[...], self.up[...], self.down[...])
+
+
+class MoE(nnx.Module):
+
+  def __init__(self, cfg: Config, rngs: nnx.Rngs, impl: str = "tiles"):
+    D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
+    dt = jnp.dtype(cfg.dtype)
+    self.router = weight(rngs, (D, E), ("embed", None), dt)
+    self.gate = weight(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dt, fan_in=D)
+    self.up = weight(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dt, fan_in=D)
+    self.down = weight(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), dt, fan_in=F)
+    self.shared = MLP(D, F, dt, rngs, axis="expert_mlp")
+    self.top_k = cfg.num_experts_per_tok
+    if impl not in moe.MOE_IMPLS:
+      raise ValueError(f"unknown moe_impl {impl!r}; choose one of {moe.MOE_IMPLS}")
+    self.impl = impl
+
+  def __call__(self, x_btd):
+    B, T, D = x_btd.shape
+    x = x_btd.reshape(B * T, D)
+    top_idx, scores = moe.route(x, self.router[...], self.top_k)
+    routed = moe.moe_experts(x, top_idx, scores, self.gate[...], self.up[...], self.down[...],
+                             impl=self.impl)
+    return (self.shared(x) + routed).reshape(B, T, D)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: x += attn(norm(x)); x += ffn(norm(x)). Shared with the EAGLE-3 draft layer."""
+
+  def __init__(self, cfg: Config, layer: int, rngs: nnx.Rngs, moe_impl: str = "tiles"):
+    dt = jnp.dtype(cfg.dtype)
+    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
+    self.attn = Attention(cfg, layer, rngs)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
+    if cfg.is_moe(layer):
+      self.ffn = MoE(cfg, rngs, impl=moe_impl)
+    else:
+      self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size_mlp, dt, rngs)
+
+  def __call__(self, x, positions, layer_cache=None, cache_lengths=None, *, attend_to_cache=True):
+    a, layer_cache = self.attn(self.input_norm(x), positions, layer_cache, cache_lengths,
+                               attend_to_cache=attend_to_cache)
+    x = x + a
+    x = x + self.ffn(self.post_attn_norm(x))
+    return x, layer_cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardOutput:
+  logits: jax.Array  # [B, T, V], or [B, V] when `logits_at` is given
+  cache: kvc.KVCache | None
+  hidden: jax.Array | None  # [n_capture, B, T, D] residual-stream outputs of the requested layers
+
+
+class Llama4(nnx.Module):
+  """The Llama 4 text model (Llama4ForCausalLM)."""
+
+  def __init__(self, cfg: Config, rngs: nnx.Rngs, moe_impl: str = "tiles"):
+    dt = jnp.dtype(cfg.dtype)
+    self.config = cfg
+    self.embed = weight(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt,
+                        fan_in=1)
+    self.layers = nnx.List([DecoderLayer(cfg, i, rngs, moe_impl)
+                            for i in range(cfg.num_hidden_layers)])
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = weight(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+
+  def embed_tokens(self, tokens_bt):
+    return jnp.take(self.embed[...], tokens_bt, axis=0)
+
+  def logits(self, x_btd):
+    x = self.final_norm(x_btd)
+    if self.config.tie_word_embeddings:
+      return jnp.einsum("...d,vd->...v", x, self.embed[...])
+    return jnp.einsum("...d,dv->...v", x, self.lm_head[...])
+
+  def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
+               capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
+               prefill: bool = False) -> ForwardOutput:
+    """One forward over T new tokens per row.
+
+    Without a cache: positions default to arange(T). With a cache: the tokens go to slots
+    cache.lengths[b] + t (their positions) and the returned cache has lengths + T; `prefill=True`
+    declares the cache empty, so attention runs among the new tokens only.
+    `capture_layers`: layer indices whose residual-stream outputs are returned (EAGLE-3 features),
+    taken in the same pass. `logits_at` [B]: return logits only at these time indices.
+    """
+    B, T = tokens_bt.shape
+    if cache is not None:
+      positions_bt = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    elif positions_bt is None:
+      positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    capture = tuple(int(i) for i in capture_layers)
+    L = len(self.layers)
+    if any(not 0 <= i < L for i in capture):
+      raise ValueError(f"capture_layers {capture} outside 0..{L - 1}")
+
+    x = self.embed_tokens(tokens_bt)
+    captured = {}
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+      lengths = None if cache is None else cache.lengths
+      x, layer_cache = layer(x, positions_bt, layer_cache, lengths, attend_to_cache=not prefill)
+      if layer_cache is not None:
+        new_k.append(layer_cache[0])
+        new_v.append(layer_cache[1])
+      if i in capture:
+        captured[i] = x
+    if logits_at is not None:
+      x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+    new_cache = None
+    if cache is not None:
+      new_cache = kvc.KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T)
+    hidden = jnp.stack([captured[i] for i in capture]) if capture else None
+    return ForwardOutput(logits=self.logits(x), cache=new_cache, hidden=hidden)
+
+
+def init_model(cfg: Config, seed: int = 0, moe_impl: str = "tiles") -> Llama4:
+  return Llama4(cfg, nnx.Rngs(params=seed), moe_impl=moe_impl)
+
+
+def abstract_model(cfg: Config, moe_impl: str = "tiles") -> Llama4:
+  """The model with ShapeDtypeStruct leaves: no memory, used for restore and planning."""
+  return nnx.eval_shape(lambda: Llama4(cfg, nnx.Rngs(params=0), moe_impl=moe_impl))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capture_layers", "prefill"))
+def apply(graphdef: nnx.GraphDef, state: nnx.State, tokens_bt, positions_bt=None, cache=None, *,
+          capture_layers: tuple[int, ...] = (), logits_at=None,
+          prefill: bool = False) -> ForwardOutput:
+  """The jitted pure forward over split state: `apply(*nnx.split(model), tokens, ...)`."""
+  return nnx.merge(graphdef, state)(tokens_bt, positions_bt, cache, capture_layers=capture_layers,
+                                    logits_at=logits_at, prefill=prefill)
