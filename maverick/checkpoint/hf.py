@@ -1,0 +1,253 @@
+"""Hugging Face Llama 4 safetensors -> our parameter layout, one tensor at a time.
+
+The name map is derived from the config (which layers are MoE, tied embeddings) and from the model's own
+abstract state, so a tensor the model does not declare is an "extra tensor" error and a declared weight
+with no source is a "missing tensor" error, both raised before any data is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from typing import Callable, Iterator
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from maverick.config import Config
+
+Path = tuple  # a parameter path in the model state, e.g. ("layers", 3, "attn", "q")
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_PREFIX = "language_model."
+# Tensors of a multimodal Llama 4 checkpoint that the text model does not use.
+_IGNORED_PREFIXES = ("vision_model.", "multi_modal_projector.")
+# safetensors stores little-endian data. Read the bytes ourselves: `safe_open(framework="np")`
+# cannot build bfloat16 arrays ("data type 'bfloat16' not understood"), and every real checkpoint
+# is bfloat16.
+_FLOAT_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype(ml_dtypes.bfloat16),
+                 "F16": np.dtype("<f2")}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that does not match the model it claims to be."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  path: Path
+  transform: Callable[[np.ndarray], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One HF tensor, its expected shape and the model parameters made from it."""
+  name: str
+  shape: tuple[int, ...]
+  targets: tuple[Target, ...]
+
+
+def _t(x):  # nn.Linear stores [out, in]; we store [in, out]
+  return np.ascontiguousarray(x.T)
+
+
+def weight_map(cfg: Config) -> dict[str, Source]:
+  """HF tensor name (without `language_model.`) -> Source, for every tensor the model needs."""
+  D, H, K, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  V, F, Fm, E = cfg.vocab_size, cfg.intermediate_size, cfg.intermediate_size_mlp, cfg.num_local_experts
+  m: dict[str, Source] = {}
+
+  def add(name, shape, *targets):
+    m[name] = Source(name, tuple(shape), tuple(Target(p, f) for p, f in targets))
+
+  ident = lambda x: x
+  add("model.embed_tokens.weight", (V, D), (("embed",), ident))
+  for i in range(cfg.num_hidden_layers):
+    p = f"model.layers.{i}."
+    L = ("layers", i)
+    add(p + "input_layernorm.weight", (D,), (L + ("input_norm", "weight"), ident))
+    add(p + "post_attention_layernorm.weight", (D,), (L + ("post_attn_norm", "weight"), ident))
+    add(p + "self_attn.q_proj.weight", (H * Dh, D),
+        (L + ("attn", "q"), lambda x: _t(x).reshape(D, H, Dh)))
+    add(p + "self_attn.k_proj.weight", (K * Dh, D),
+        (L + ("attn", "k"), lambda x: _t(x).reshape(D, K, Dh)))
+    add(p + "self_attn.v_proj.weight", (K * Dh, D),
+        (L + ("attn", "v"), lambda x: _t(x).reshape(D, K, Dh)))
+    add(p + "self_attn.o_proj.weight", (D, H * Dh),
+        (L + ("attn", "o"), lambda x: _t(x).reshape(H, Dh, D)))
+    f = p + "feed_forward."
+    ffn = L + ("ffn",)
+    if cfg.is_moe(i):
+      add(f + "router.weight", (E, D), (ffn + ("router",), _t))
+      # Experts are stored x @ W ([in, out], no `.weight`); gate_up is [gate | up] halves.
+      add(f + "experts.gate_up_proj", (E, D, 2 * F),
+          (ffn + ("gate",), lambda x: np.ascontiguousarray(x[..., :F])),
+          (ffn + ("up",), lambda x: np.ascontiguousarray(x[..., F:])))
+      add(f + "experts.down_proj", (E, F, D), (ffn + ("down",), ident))
+      for n, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+        add(f + f"shared_expert.{n}_proj.weight", shape, (ffn + ("shared", n), _t))
+    else:
+      for n, shape in (("gate", (Fm, D)), ("up", (Fm, D)), ("down", (D, Fm))):
+        add(f + f"{n}_proj.weight", shape, (ffn + (n,), _t))
+  add("model.norm.weight", (D,), (("final_norm", "weight"), ident))
+  if not cfg.tie_word_embeddings:
+    add("lm_head.weight", (V, D), (("lm_head",), _t))
+  return m
+
+
+# ----------------------------------------------------------------------------------------------
+# safetensors reading
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  file: str
+  dtype: str  # safetensors dtype code, e.g. "BF16"
+  shape: tuple[int, ...]
+  begin: int = 0  # absolute byte offsets of the data in `file`
+  end: int = 0
+
+
+def _read_header(path: str) -> tuple[dict, int]:
+  """Parses a safetensors header and checks the file holds every byte it declares.
+
+  Returns (header without `__metadata__`, offset of the data section).
+  """
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    raw_len = f.read(8)
+    if len(raw_len) < 8:
+      raise CheckpointError(f"{path}: truncated safetensors file (no header); re-download it")
+    (n,) = struct.unpack("<Q", raw_len)
+    if n > size - 8:
+      raise CheckpointError(f"{path}: truncated safetensors file (header says {n} bytes, file "
+                            f"has {size - 8}); re-download it")
+    try:
+      header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+  if not isinstance(header, dict):
+    raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+  header.pop("__metadata__", None)
+  for name, meta in header.items():
+    try:
+      begin, end = (int(o) for o in meta["data_offsets"])
+      shape = tuple(int(d) for d in meta["shape"])
+      dtype = meta["dtype"]
+    except (KeyError, TypeError, ValueError):
+      raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
+    # Only the dtypes we can read are size-checked; the others are rejected by name in `plan`.
+    if dtype in _FLOAT_DTYPES and end - begin != math.prod(shape) * _FLOAT_DTYPES[dtype].itemsize:
+      raise CheckpointError(f"{path}: tensor {name} ({dtype} {list(shape)}) spans {end - begin} "
+                            "bytes in the header; the file is corrupt")
+  data_size = size - 8 - n
+  end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+  if end > data_size:
+    raise CheckpointError(f"{path}: truncated safetensors file: tensors need {end} data bytes, "
+                          f"the file has {data_size}; re-download it")
+  return header, 8 + n
+
+
+class SafetensorsCheckpoint:
+  """A single `model.safetensors` or a sharded set with `model.safetensors.index.json`."""
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    index_path = os.path.join(directory, INDEX_FILE)
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.isfile(index_path):
+      try:
+        with open(index_path) as f:
+          weight_files = json.load(f)["weight_map"]
+        if not (isinstance(weight_files, dict)
+                and all(isinstance(v, str) for v in weight_files.values())):
+          raise TypeError("weight_map is not an object of tensor name -> file name")
+      except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_path}: malformed index ({e!r}); it needs a 'weight_map' "
+                              "object of tensor name -> file") from None
+      files = sorted(set(weight_files.values()))
+    elif os.path.isfile(single):
+      files, weight_files = [SINGLE_FILE], None
+    else:
+      raise CheckpointError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} found")
+    self.tensors: dict[str, TensorInfo] = {}
+    for fname in files:
+      path = os.path.join(directory, fname)
+      if not os.path.isfile(path):
+        raise CheckpointError(f"{index_path}: shard {fname} is listed but missing from {directory}")
+      header, data_start = _read_header(path)
+      for name, meta in header.items():
+        if weight_files is not None and weight_files.get(name) != fname:
+          raise CheckpointError(f"{path}: tensor {name} is not where {INDEX_FILE} says "
+                                f"({weight_files.get(name)})")
+        begin, end = meta["data_offsets"]
+        self.tensors[name] = TensorInfo(fname, meta["dtype"], tuple(meta["shape"]),
+                                        data_start + int(begin), data_start + int(end))
+    if weight_files is not None:
+      absent = sorted(set(weight_files) - set(self.tensors))
+      if absent:
+        raise CheckpointError(f"{index_path} lists tensors absent from their shards: {absent[:5]}")
+
+  def read(self, name: str) -> np.ndarray:
+    """The tensor as a writable NumPy array (F32, F16 or BF16)."""
+    info = self.tensors[name]
+    if info.dtype not in _FLOAT_DTYPES:
+      raise CheckpointError(f"tensor {name} has dtype {info.dtype}; expected one of "
+                            f"{sorted(_FLOAT_DTYPES)}")
+    dtype = _FLOAT_DTYPES[info.dtype]
+    arr = np.fromfile(os.path.join(self.directory, info.file), dtype=dtype,
+                      count=math.prod(info.shape), offset=info.begin)
+    if arr.size != math.prod(info.shape):  # the file shrank after the header was checked
+      raise CheckpointError(f"{info.file}: tensor {name} is truncated; re-download the file")
+    return arr.astype(dtype.newbyteorder("="), copy=False).reshape(info.shape)
+
+
+def plan(ckpt: SafetensorsCheckpoint, cfg: Config) -> list[tuple[str, Source]]:
+  """Checks names, shapes and dtypes against the model from headers alone; returns the read order
+  (file by file, so each shard is opened once)."""
+  expected = weight_map(cfg)
+  found: dict[str, str] = {}  # canonical -> stored name
+  extra = []
+  for stored in ckpt.tensors:
+    canonical = stored[len(_PREFIX):] if stored.startswith(_PREFIX) else stored
+    if canonical in expected:
+      if canonical in found:
+        raise CheckpointError(f"tensor {canonical} appears twice ({found[canonical]}, {stored})")
+      found[canonical] = stored
+    elif not canonical.startswith(_IGNORED_PREFIXES):
+      extra.append(stored)
+  missing = sorted(set(expected) - set(found))
+  if missing:
+    more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+    raise CheckpointError(f"missing tensor(s) {missing[:5]}{more} in {ckpt.directory}: the "
+                          "checkpoint does not match its config.json (layers, MoE layers, "
+                          "tie_word_embeddings)")
+  if extra:
+    more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+    raise CheckpointError(f"unexpected tensor(s) {sorted(extra)[:5]}{more} in {ckpt.directory}: "
+                          "the checkpoint does not match its config.json")
+  for canonical, stored in found.items():
+    info, src = ckpt.tensors[stored], expected[canonical]
+    if info.shape != src.shape:
+      raise CheckpointError(f"tensor {stored} has shape {list(info.shape)}, expected "
+                            f"{list(src.shape)} from config.json")
+    if info.dtype not in _FLOAT_DTYPES:
+      raise CheckpointError(f"tensor {stored} has dtype {info.dtype}; expected one of "
+                            f"{sorted(_FLOAT_DTYPES)} (FP8 checkpoints need the FP8 importer)")
+  order = sorted(found.items(), key=lambda kv: (ckpt.tensors[kv[1]].file, kv[1]))
+  return [(stored, expected[canonical]) for canonical, stored in order]
+
+
+def iter_params(ckpt: SafetensorsCheckpoint, cfg: Config, dtype=None
+                ) -> Iterator[tuple[Path, np.ndarray]]:
+  """Yields (parameter path, array in our layout and `dtype`), reading one HF tensor at a time."""
+  dtype = jnp.dtype(dtype or cfg.dtype)
+  for stored, src in plan(ckpt, cfg):
+    raw = ckpt.read(stored)
+    for target in src.targets:
+      yield target.path, target.transform(raw).astype(dtype)
+    del raw

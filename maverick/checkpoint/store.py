@@ -1,0 +1,250 @@
+"""Our checkpoint format, HF conversion into it, and restore with target shardings.
+
+Layout of a converted checkpoint directory:
+  maverick.json      {"format": ..., "config": {...}, "parts": [...]}
+  params/<part>/     one orbax checkpoint per part: "embed", "layer_000", ..., "head"
+  tokenizer files    copied from the source when present
+
+One orbax checkpoint per layer lets conversion stream (one layer in memory, so an 800 GB checkpoint
+converts on a normal host) and restore place each part straight into its target sharding. Everything is
+written to `<out>.tmp-<pid>` and renamed at the end: a failed run leaves no output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from maverick import config as config_lib
+from maverick import model as model_lib
+from maverick import sharding as sharding_lib
+from maverick.checkpoint import hf
+from maverick.checkpoint.hf import CheckpointError
+
+FORMAT = "maverick-orbax/1"
+META_FILE = "maverick.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def part_of(path: tuple) -> str:
+  if path[0] == "layers":
+    return f"layer_{int(path[1]):03d}"
+  return "embed" if path[0] == "embed" else "head"
+
+
+def _part_key(path: tuple) -> tuple[str, ...]:
+  """Path of a parameter inside its part's pytree."""
+  rest = path[2:] if path[0] == "layers" else path
+  return tuple(str(p) for p in rest)
+
+
+def _nest(flat: Mapping[tuple[str, ...], object]) -> dict:
+  out: dict = {}
+  for key, value in flat.items():
+    d = out
+    for k in key[:-1]:
+      d = d.setdefault(k, {})
+    d[key[-1]] = value
+  return out
+
+
+def _flatten(tree: Mapping, prefix=()) -> dict[tuple[str, ...], object]:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      out.update(_flatten(v, prefix + (k,)))
+    else:
+      out[prefix + (k,)] = v
+  return out
+
+
+def _param_paths(cfg: config_lib.Config) -> dict[tuple, jax.ShapeDtypeStruct]:
+  _, abstract = nnx.split(model_lib.abstract_model(cfg))
+  return {p: v.get_value() for p, v in nnx.to_flat_state(abstract)}
+
+
+class _AtomicDir:
+  """Writes into a temporary sibling directory, renamed into place only on success."""
+
+  def __init__(self, out_dir: str, overwrite: bool):
+    self.out_dir = os.path.abspath(out_dir)
+    if os.path.lexists(self.out_dir):
+      if not overwrite:
+        raise FileExistsError(f"{self.out_dir} already exists; choose another output directory "
+                              "or pass overwrite=True (--overwrite)")
+      # Overwrite replaces a previous checkpoint only: never delete an arbitrary directory.
+      if not (is_orbax_checkpoint(self.out_dir)
+              or (os.path.isdir(self.out_dir) and not os.listdir(self.out_dir))):
+        raise FileExistsError(f"{self.out_dir} exists and is not a maverick checkpoint (no "
+                              f"{META_FILE}); refusing to overwrite it")
+    self.tmp = f"{self.out_dir}.tmp-{os.getpid()}"
+
+  def __enter__(self):
+    shutil.rmtree(self.tmp, ignore_errors=True)
+    os.makedirs(self.tmp)
+    return self.tmp
+
+  def __exit__(self, exc_type, exc, tb):
+    if exc_type is not None:
+      shutil.rmtree(self.tmp, ignore_errors=True)
+      return False
+    old = f"{self.out_dir}.old-{os.getpid()}"
+    try:
+      # Move the old checkpoint aside first, so a failed rename never leaves neither.
+      if os.path.lexists(self.out_dir):
+        os.rename(self.out_dir, old)
+      os.rename(self.tmp, self.out_dir)
+    except BaseException:
+      shutil.rmtree(self.tmp, ignore_errors=True)
+      if os.path.lexists(old) and not os.path.lexists(self.out_dir):
+        os.rename(old, self.out_dir)
+      raise
+    shutil.rmtree(old, ignore_errors=True)
+    return False
+
+
+def _write(out_dir: str, cfg: config_lib.Config,
+           parts: Iterable[tuple[str, dict[tuple[str, ...], object]]], *, overwrite: bool,
+           extra_files: Iterable[str] = (), source: str | None = None) -> str:
+  names = []
+  with _AtomicDir(out_dir, overwrite) as tmp:
+    # Closed before the rename (also on failure): no orbax thread may still write into `tmp`.
+    ckptr = ocp.StandardCheckpointer()
+    try:
+      for part, flat in parts:
+        ckptr.save(os.path.join(tmp, "params", part), _nest(flat))
+        ckptr.wait_until_finished()
+        names.append(part)
+    finally:
+      ckptr.close()
+    for f in extra_files:
+      shutil.copy(f, os.path.join(tmp, os.path.basename(f)))
+    meta = {"format": FORMAT, "config": cfg.to_dict(), "parts": names, "source": source}
+    with open(os.path.join(tmp, META_FILE), "w") as f:
+      json.dump(meta, f, indent=1)
+  return os.path.abspath(out_dir)
+
+
+def _hf_parts(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, dtype, progress: bool):
+  """Reads HF tensors part by part (a layer at a time), yielding each finished part."""
+  order = hf.plan(ckpt, cfg)
+  order.sort(key=lambda item: part_of(item[1].targets[0].path))
+  current, flat = None, {}
+  with tqdm(total=len(order), desc="converting", unit="tensor", disable=not progress) as bar:
+    for stored, src in order:
+      part = part_of(src.targets[0].path)
+      if part != current and flat:
+        yield current, flat
+        flat = {}
+      current = part
+      raw = ckpt.read(stored)
+      for target in src.targets:
+        flat[_part_key(target.path)] = target.transform(raw).astype(dtype)
+      del raw
+      bar.update(1)
+    if flat:
+      yield current, flat
+
+
+def convert_hf_to_orbax(hf_dir: str, out_dir: str, *, dtype: str | None = None,
+                        overwrite: bool = False, progress: bool = True) -> str:
+  """Converts a HF Llama 4 checkpoint directory (single or sharded safetensors) to our format.
+
+  Names, shapes and dtypes are all checked from the headers before anything is written.
+  """
+  cfg = config_lib.from_hf(hf_dir, dtype=dtype)
+  ckpt = hf.SafetensorsCheckpoint(hf_dir)
+  hf.plan(ckpt, cfg)  # validate everything up front
+  extra = [os.path.join(hf_dir, f) for f in TOKENIZER_FILES
+           if os.path.isfile(os.path.join(hf_dir, f))]
+  return _write(out_dir, cfg, _hf_parts(ckpt, cfg, jnp.dtype(cfg.dtype), progress),
+                overwrite=overwrite, extra_files=extra, source=os.path.abspath(hf_dir))
+
+
+def save_orbax(model: model_lib.Llama4, out_dir: str, *, overwrite: bool = False,
+               extra_files: Iterable[str] = ()) -> str:
+  """Saves a live model in our format (e.g. after training)."""
+  _, state = nnx.split(model)
+  by_part: dict[str, dict] = {}
+  for path, var in nnx.to_flat_state(state):
+    by_part.setdefault(part_of(path), {})[_part_key(path)] = var.get_value()
+  return _write(out_dir, model.config, by_part.items(), overwrite=overwrite,
+                extra_files=extra_files)
+
+
+def is_orbax_checkpoint(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, META_FILE))
+
+
+def read_meta(path: str) -> dict:
+  meta_path = os.path.join(path, META_FILE)
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+  except FileNotFoundError:
+    raise CheckpointError(f"{path} is not a maverick checkpoint (no {META_FILE}); convert a HF "
+                          "checkpoint with scripts/convert_hf.py") from None
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{meta_path} is not valid JSON ({e})") from None
+  if meta.get("format") != FORMAT:
+    raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+  return meta
+
+
+def _assemble(cfg: config_lib.Config, arrays: Mapping[tuple, jax.Array],
+              moe_impl: str) -> model_lib.Llama4:
+  graphdef, abstract = nnx.split(model_lib.abstract_model(cfg, moe_impl=moe_impl))
+  flat = []
+  for path, var in nnx.to_flat_state(abstract):
+    flat.append((path, var.replace(value=arrays[path])))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_orbax(path: str, *, mesh=None, rules: sharding_lib.Rules = sharding_lib.REPLICATED,
+               dtype: str | None = None, moe_impl: str = "tiles") -> model_lib.Llama4:
+  """Restores a checkpoint part by part straight into the target shardings."""
+  meta = read_meta(path)
+  cfg = config_lib.Config.from_dict(meta["config"])
+  if dtype is not None:
+    cfg = cfg.replace(dtype=dtype)
+  graphdef, abstract = nnx.split(model_lib.abstract_model(cfg, moe_impl=moe_impl))
+  shardings = dict(nnx.to_flat_state(sharding_lib.state_shardings(abstract, mesh, rules)))
+  targets: dict[str, dict] = {}
+  for p, var in nnx.to_flat_state(abstract):
+    sds = var.get_value()
+    targets.setdefault(part_of(p), {})[_part_key(p)] = jax.ShapeDtypeStruct(
+        sds.shape, sds.dtype, sharding=shardings[p])
+  missing = sorted(set(targets) - set(meta["parts"]))
+  if missing:
+    raise CheckpointError(f"{path}: parts {missing} are missing from {META_FILE}")
+  ckptr = ocp.StandardCheckpointer()
+  arrays = {}
+  for part, flat_target in targets.items():
+    part_dir = os.path.join(path, "params", part)
+    if not os.path.isdir(part_dir):
+      raise CheckpointError(f"{part_dir} is missing; the checkpoint is incomplete")
+    restored = _flatten(ckptr.restore(part_dir, _nest(flat_target)))
+    for key, value in restored.items():
+      arrays[("layers", int(part[6:])) + tuple(key) if part.startswith("layer_")
+             else tuple(key)] = value
+  ckptr.close()
+  return _assemble(cfg, {p: arrays[p] for p in _param_paths(cfg)}, moe_impl)
+
+
+def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles"
+            ) -> model_lib.Llama4:
+  """Loads a HF checkpoint directly (no conversion), one tensor at a time onto the device."""
+  cfg = config_lib.from_hf(hf_dir, dtype=dtype)
+  ckpt = hf.SafetensorsCheckpoint(hf_dir)
+  arrays = {path: jax.device_put(x) for path, x in hf.iter_params(ckpt, cfg)}
+  return _assemble(cfg, arrays, moe_impl)

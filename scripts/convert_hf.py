@@ -1,0 +1,78 @@
+"""Converts a Hugging Face Llama 4 checkpoint to the maverick orbax format.
+
+Reads config.json and model.safetensors (or sharded model-*.safetensors with
+model.safetensors.index.json) from --hf_dir; both the text-only (Llama4ForCausalLM) and the
+multimodal (Llama4ForConditionalGeneration, `language_model.` keys) layouts are accepted, and
+vision tensors are skipped. Every tensor name, shape and dtype is checked against config.json before
+anything is written. The output appears at --out_dir only when the conversion succeeds.
+
+Usage:
+  python scripts/convert_hf.py --hf_dir=/ckpt/Llama-4-Scout-17B-16E-Instruct --out_dir=/ckpt/scout
+"""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+
+# Runnable from a source checkout without `pip install -e .`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_HF_DIR = flags.DEFINE_string(
+    "hf_dir", None,
+    "Hugging Face checkpoint directory: config.json plus model.safetensors, or sharded "
+    "model-*.safetensors with model.safetensors.index.json.")
+_OUT_DIR = flags.DEFINE_string(
+    "out_dir", None,
+    "Output directory for the converted checkpoint. Must not exist unless --overwrite; written "
+    "to a temporary sibling and renamed into place only on success.")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", None, ["float32", "bfloat16", "float16"],
+    "Parameter dtype of the converted checkpoint. Default: the dtype in config.json "
+    "(bfloat16 for the released Llama 4 models).")
+_OVERWRITE = flags.DEFINE_bool(
+    "overwrite", False,
+    "Replace --out_dir if it holds a previous maverick checkpoint (any other existing path is "
+    "refused).")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.")
+
+
+def _fail(msg: str) -> int:
+  print(f"convert_hf: error: {msg}", file=sys.stderr)
+  return 1
+
+
+def main(argv):
+  # orbax logs every save step at INFO; keep the progress bar readable unless -v is given.
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  if len(argv) > 1:
+    return _fail(f"unexpected arguments {argv[1:]}; all options are --flags (see --help)")
+  hf_dir = _HF_DIR.value
+  if not os.path.isdir(hf_dir):
+    return _fail(f"--hf_dir {hf_dir} is not a directory")
+  # Checked here too so the mistake is reported before the slow imports and the header scan.
+  if os.path.lexists(_OUT_DIR.value) and not _OVERWRITE.value:
+    return _fail(f"--out_dir {_OUT_DIR.value} already exists; choose another or pass --overwrite")
+
+  # Imported late: jax and orbax take seconds to import, which --help and the checks above skip.
+  from maverick.checkpoint import CheckpointError, convert_hf_to_orbax
+  from maverick.config import ConfigError
+
+  try:
+    out = convert_hf_to_orbax(hf_dir, _OUT_DIR.value, dtype=_DTYPE.value,
+                              overwrite=_OVERWRITE.value, progress=_PROGRESS.value)
+  except (CheckpointError, ConfigError, FileExistsError, PermissionError) as e:
+    # User mistakes: one line, no traceback. Anything else is a bug and keeps its traceback.
+    return _fail(str(e).replace("\n", " "))
+  except KeyboardInterrupt:
+    return _fail(f"interrupted; nothing was written to {_OUT_DIR.value}")
+  print(f"converted {hf_dir} -> {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["hf_dir", "out_dir"])
+  app.run(main)
