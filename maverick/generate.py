@@ -1,0 +1,187 @@
+"""Batched generation as ONE jitted call: prefill, then a `lax.while_loop` of decode steps.
+
+Prompts are RIGHT-padded to a length bucket; each row keeps its own cache length, so every row's
+positions start at 0 exactly as an unpadded HF run (no left-pad position shifts). Prompt and
+generation lengths are bucketed (powers of two), and lengths, sampling parameters, stop tokens and
+per-row limits are traced, so a new prompt length in the same bucket reuses the compiled program.
+Inside the call nothing goes back to the host: the loop condition, sampling and stopping all run on
+device (tests check the compiled HLO has no host callback, send/recv or in/outfeed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maverick import kv_cache as kvc
+from maverick import sampling
+from maverick.model import Llama4
+
+MIN_BUCKET = 16
+NO_STOP = -1
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+  """Next power of two >= n (at least `minimum`)."""
+  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Request:
+  """Device inputs of one generate call (all traced: changing them never recompiles)."""
+  prompt: jax.Array  # [B, Tp] int32, right-padded
+  prompt_lengths: jax.Array  # [B] int32
+  max_new_tokens: jax.Array  # [B] int32
+  stop_ids: jax.Array  # [B, n] int32, padded with -1
+  seed: jax.Array  # [] uint32
+  sampling: sampling.SamplingParams
+
+
+def prepare(cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
+            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+            stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+            max_cache_len: int | None = None) -> tuple[Request, int, int]:
+  """Validates and pads on the host. Returns (request, decode steps bucket, cache capacity)."""
+  if isinstance(prompts, np.ndarray):
+    prompts = prompts.tolist()
+  if not prompts:
+    raise ValueError("no prompts given: pass at least one prompt (a list of token ids)")
+  if isinstance(prompts[0], (int, np.integer)):
+    raise ValueError("prompts must be a list of token-id lists (a batch); wrap a single prompt "
+                     "in a list")
+  rows = [list(map(int, p)) for p in prompts]
+  for i, p in enumerate(rows):
+    if not p:
+      raise ValueError(f"prompt {i} is empty: every prompt needs at least one token (e.g. BOS)")
+    bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary "
+                       f"[0, {cfg.vocab_size})")
+  if not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**32):
+    raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+  B = len(rows)
+  max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (B,)).copy()
+  if (max_new < 1).any():
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  lengths = np.array([len(p) for p in rows], np.int32)
+  t_prompt = bucket(lengths.max())
+  steps = bucket(max_new.max())
+  needed = int((lengths + max_new).max())
+  if max_cache_len is not None and needed > max_cache_len:
+    longest = int(lengths.max())
+    what = ("the prompt alone" if longest >= max_cache_len else
+            f"prompt ({longest}) + max_new_tokens ({int(max_new.max())})")
+    raise ValueError(f"{what} needs {needed} cache positions but the KV cache holds "
+                     f"{max_cache_len}; raise max_cache_len (--max_cache_len) or shorten the input")
+  capacity = t_prompt + steps
+  if max_cache_len is not None:
+    capacity = max(min(capacity, max_cache_len), needed)
+
+  padded = np.zeros((B, t_prompt), np.int32)
+  for i, p in enumerate(rows):
+    padded[i, :len(p)] = p
+  stop = _stop_matrix(cfg, B, stop_tokens)
+  params = sampling.SamplingParams.create(B, temperature, top_k, top_p)
+  # device_put, not jnp.asarray: the latter compiles a small program per new shape, and a generate
+  # call must be exactly one compiled executable.
+  put = jax.device_put
+  req = Request(prompt=put(padded), prompt_lengths=put(lengths),
+                max_new_tokens=put(max_new.astype(np.int32)), stop_ids=put(stop),
+                seed=put(np.uint32(seed)), sampling=params)
+  return req, steps, capacity
+
+
+def _stop_matrix(cfg, batch: int, stop_tokens) -> np.ndarray:
+  if stop_tokens is None:
+    per_row = [list(cfg.eos_token_ids)] * batch
+  elif len(stop_tokens) and isinstance(stop_tokens[0], (list, tuple, np.ndarray)):
+    if len(stop_tokens) != batch:
+      raise ValueError(f"stop_tokens has {len(stop_tokens)} rows for {batch} prompts")
+    per_row = [list(map(int, s)) for s in stop_tokens]
+  else:
+    per_row = [list(map(int, stop_tokens))] * batch
+  width = max(1, max(len(s) for s in per_row))
+  out = np.full((batch, width), NO_STOP, np.int32)
+  for i, s in enumerate(per_row):
+    out[i, :len(s)] = s
+  return out
+
+
+def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=()):
+  """Fills an empty cache with the prompts; returns (forward output at each row's last prompt token,
+  cache with lengths = prompt lengths)."""
+  B = req.prompt.shape[0]
+  cache = kvc.KVCache.init(model.config, B, capacity)
+  out = model(req.prompt, cache=cache, prefill=True, logits_at=req.prompt_lengths - 1,
+              capture_layers=capture_layers)
+  return out, out.cache.with_lengths(req.prompt_lengths)
+
+
+def _generate(graphdef: nnx.GraphDef, state: nnx.State, req: Request, *, steps: int,
+              capacity: int, pad_id: int):
+  model = nnx.merge(graphdef, state)
+  B = req.prompt.shape[0]
+  key = jax.random.key(req.seed)
+  out, cache = prefill(model, req, capacity)
+  key, sub = jax.random.split(key)
+  token = sampling.sample(out.logits, sub, req.sampling)
+  stop = functools.partial(sampling.append, stop_ids=req.stop_ids,
+                           max_tokens=req.max_new_tokens, pad_id=pad_id)
+  result = stop(sampling.init_output(B, steps, 1, pad_id), token[:, None], jnp.ones((B,), jnp.int32))
+
+  def cond(carry):
+    step, _, _, result, _ = carry
+    return (step < steps) & ~jnp.all(result.done)
+
+  def body(carry):
+    step, token, cache, result, key = carry
+    out = model(token[:, None], cache=cache)
+    # Finished rows keep their length: their (ignored) writes stay at one slot.
+    cache = out.cache.with_lengths(jnp.where(result.done, cache.lengths, out.cache.lengths))
+    key, sub = jax.random.split(key)
+    token = sampling.sample(out.logits[:, 0], sub, req.sampling)
+    result = stop(result, token[:, None], (~result.done).astype(jnp.int32))
+    return step + 1, token, cache, result, key
+
+  _, _, _, result, _ = jax.lax.while_loop(cond, body, (1, token, cache, result, key))
+  return result.tokens[:, :steps], result.num_tokens
+
+
+generate_jit = jax.jit(_generate, static_argnames=("graphdef", "steps", "capacity", "pad_id"))
+
+
+@dataclasses.dataclass
+class Generation:
+  tokens: list[list[int]]  # per row, stop token included when one was produced
+  num_tokens: np.ndarray  # [B]
+
+
+def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_tokens=None, max_cache_len: int | None = None,
+             pad_id: int | None = None) -> Generation:
+  """Generates continuations of a batch of token-id prompts in one device call.
+
+  stop_tokens: one list for all rows or one list per row (default: the config's eos ids).
+  """
+  req, steps, capacity = prepare(
+      model.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+      top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
+  graphdef, state = nnx.split(model)
+  pad = _pad_id(model.config, pad_id)
+  tokens, num = generate_jit(graphdef, state, req, steps=steps, capacity=capacity, pad_id=pad)
+  tokens, num = np.asarray(tokens), np.asarray(num)
+  return Generation(tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)], num_tokens=num)
+
+
+def _pad_id(cfg, pad_id):
+  if pad_id is not None:
+    return int(pad_id)
+  return int(cfg.pad_token_id) if cfg.pad_token_id is not None else 0
