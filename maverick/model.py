@@ -325,6 +325,11 @@ def init_model(cfg: Config, seed: int = 0, moe_impl: str = "tiles") -> Llama4:
   return Llama4(cfg, nnx.Rngs(params=seed), moe_impl=moe_impl)
 
 
+def num_params(cfg: Config) -> int:
+  _, state = nnx.split(abstract_model(cfg))
+  return sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(state))
+
+
 def abstract_model(cfg: Config, moe_impl: str = "tiles") -> Llama4:
   """The model with ShapeDtypeStruct leaves: no memory, used for restore and planning."""
   return nnx.eval_shape(lambda: Llama4(cfg, nnx.Rngs(params=0), moe_impl=moe_impl))

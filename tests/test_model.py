@@ -1,6 +1,5 @@
 """The model against the HF oracle, and the KV cache against full recompute."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

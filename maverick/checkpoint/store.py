@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm

@@ -1,0 +1,75 @@
+"""`maverick.load`: one entry point for every kind of checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from maverick import config as config_lib
+from maverick import model as model_lib
+from maverick import sharding as sharding_lib
+from maverick import tokenizer as tokenizer_lib
+from maverick.checkpoint import store
+from maverick.checkpoint.hf import CheckpointError
+
+RANDOM_PREFIX = "random:"
+MAX_RANDOM_PARAMS = 2_000_000_000
+
+
+@dataclasses.dataclass
+class Loaded:
+  model: model_lib.Llama4
+  tokenizer: tokenizer_lib.Tokenizer | tokenizer_lib.ByteTokenizer | None
+  source: str
+
+  @property
+  def config(self) -> config_lib.Config:
+    return self.model.config
+
+  @property
+  def stop_tokens(self) -> list[int]:
+    """EOS ids from the config and the tokenizer: generation stops on any of them."""
+    ids = set(self.config.eos_token_ids)
+    if self.tokenizer is not None:
+      ids |= set(self.tokenizer.eos_ids)
+    return sorted(ids)
+
+
+def load(source: str, *, dtype: str | None = None, mesh=None,
+         rules: sharding_lib.Rules = sharding_lib.REPLICATED, seed: int = 0,
+         moe_impl: str = "tiles") -> Loaded:
+  """Loads a model and its tokenizer.
+
+  source:
+    - a directory converted by scripts/convert_hf.py (holds maverick.json),
+    - a Hugging Face Llama 4 directory (config.json + safetensors), read directly,
+    - "random:<preset>" (e.g. "random:tiny"): random weights of a preset config with a byte-level
+      tokenizer, for smoke tests and benchmarks of shapes; its text output is meaningless.
+  """
+  if source.startswith(RANDOM_PREFIX):
+    name = source[len(RANDOM_PREFIX):]
+    cfg = config_lib.preset(name)
+    if dtype is not None:
+      cfg = cfg.replace(dtype=dtype)
+    n_params = model_lib.num_params(cfg)
+    if n_params > MAX_RANDOM_PARAMS:
+      raise ValueError(f"random:{name} would allocate {n_params / 1e9:.0f}B parameters on this "
+                       f"host; random init is limited to {MAX_RANDOM_PARAMS / 1e9:.0f}B. Use a "
+                       "small preset, or a real checkpoint with sharding")
+    tok = tokenizer_lib.ByteTokenizer()
+    if cfg.vocab_size < tok.vocab_size:
+      raise ValueError(f"preset {name!r} has vocab_size {cfg.vocab_size} < {tok.vocab_size} "
+                       "needed by the byte tokenizer of random models")
+    return Loaded(model_lib.init_model(cfg, seed=seed, moe_impl=moe_impl), tok, source)
+  if not os.path.isdir(source):
+    raise FileNotFoundError(f"checkpoint {source!r} is not a directory; pass a converted "
+                            "checkpoint, a Hugging Face Llama 4 directory, or random:<preset> "
+                            f"(presets: {', '.join(sorted(config_lib.PRESETS))})")
+  if store.is_orbax_checkpoint(source):
+    model = store.load_orbax(source, mesh=mesh, rules=rules, dtype=dtype, moe_impl=moe_impl)
+  elif os.path.isfile(os.path.join(source, "config.json")):
+    model = store.load_hf(source, dtype=dtype, moe_impl=moe_impl)
+  else:
+    raise CheckpointError(f"{source} holds neither {store.META_FILE} (converted checkpoint) nor "
+                          "config.json (Hugging Face checkpoint)")
+  return Loaded(model, tokenizer_lib.load_tokenizer(source), source)

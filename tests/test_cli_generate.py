@@ -1,0 +1,113 @@
+"""scripts/generate.py end to end, and maverick.load."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import maverick
+from maverick.checkpoint import CheckpointError, convert_hf_to_orbax
+from maverick.generate import generate
+from test_tokenizer import _build as build_test_tokenizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CLI = REPO / "scripts" / "generate.py"
+
+
+@pytest.fixture(scope="module")
+def hf_dir_with_tokenizer(tmp_path_factory, hf_fixture_dir):
+  """The HF fixture plus a locally trained byte-level BPE tokenizer.json (507 ids < vocab 512)."""
+  d = tmp_path_factory.mktemp("ckpt") / "hf"
+  shutil.copytree(hf_fixture_dir, d)
+  build_test_tokenizer(d)
+  return d
+
+
+def _run(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, str(CLI), *args], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_cli_output_equals_library(hf_dir_with_tokenizer):
+  prompt = "def add(a, b):"
+  r = _run(f"--checkpoint={hf_dir_with_tokenizer}", f"--prompt={prompt}", "--max_new_tokens=12",
+           "--dtype=float32")
+  assert r.returncode == 0, r.stderr
+  loaded = maverick.load(str(hf_dir_with_tokenizer), dtype="float32")
+  out = generate(loaded.model, [loaded.tokenizer.encode(prompt)], max_new_tokens=12,
+                 stop_tokens=loaded.stop_tokens)
+  text = prompt + loaded.tokenizer.decode([t for t in out.tokens[0]
+                                           if t not in loaded.stop_tokens])
+  assert text in r.stdout
+  assert "tokens/s" in r.stdout and "compile" in r.stdout
+
+
+def test_cli_batch_file_sampling_and_chat(hf_dir_with_tokenizer, tmp_path):
+  batch = tmp_path / "prompts.txt"
+  batch.write_text("import os\n\nclass A:\nx = 1\n")
+  args = [f"--checkpoint={hf_dir_with_tokenizer}", f"--batch_file={batch}", "--max_new_tokens=6",
+          "--temperature=0.9", "--top_k=20", "--top_p=0.9", "--seed=5", "--chat"]
+  r1, r2 = _run(*args), _run(*args)
+  assert r1.returncode == 0, r1.stderr
+  assert r1.stdout.count("--- ") == 3
+  body = lambda s: [l for l in s.splitlines() if "tokens/s" not in l]
+  assert body(r1.stdout) == body(r2.stdout)  # seeded
+
+
+def test_cli_default_random_model():
+  r = _run("--prompt=hello", "--max_new_tokens=4")
+  assert r.returncode == 0, r.stderr
+  assert "random weights" in r.stdout and "tokens/s" in r.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--prompt=x", "--top_p=1.5"], ["top_p"]),
+    (["--prompt=x", "--temperature=-1"], ["temperature"]),
+    (["--prompt=x", "--batch_file=/no/such/file"], ["exactly one of --prompt or --batch_file"]),
+    (["--checkpoint=/no/such/dir", "--prompt=x"], ["/no/such/dir", "not a directory"]),
+    (["--prompt=abcdefghij", "--max_cache_len=4"], ["KV cache holds 4"]),
+])
+def test_cli_user_errors_are_one_line(args, words):
+  r = _run(*args)
+  assert r.returncode == 1
+  assert "Traceback" not in r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1, r.stderr
+  for w in words:
+    assert w in lines[0]
+
+
+def test_load_dispatches_on_source(hf_dir_with_tokenizer, tmp_path):
+  from_hf = maverick.load(str(hf_dir_with_tokenizer), dtype="float32")
+  out = convert_hf_to_orbax(str(hf_dir_with_tokenizer), str(tmp_path / "conv"), progress=False)
+  from_orbax = maverick.load(out)
+  assert from_orbax.tokenizer is not None and from_orbax.config == from_hf.config
+  assert from_orbax.stop_tokens == from_hf.stop_tokens
+  prompt = [from_hf.tokenizer.encode("x = [")]
+  a = generate(from_hf.model, prompt, max_new_tokens=5).tokens
+  b = generate(from_orbax.model, prompt, max_new_tokens=5).tokens
+  assert a == b
+  rnd = maverick.load("random:tiny_top2_tied", seed=1)
+  assert rnd.config.tie_word_embeddings and rnd.tokenizer.vocab_size == 259
+
+
+def test_load_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="random:<preset>"):
+    maverick.load(str(tmp_path / "missing"))
+  with pytest.raises(CheckpointError, match="neither"):
+    maverick.load(str(tmp_path))
+  with pytest.raises(ValueError, match="unknown preset"):
+    maverick.load("random:nope")
+  with pytest.raises(ValueError, match="random init is limited"):
+    maverick.load("random:maverick")
+
+
+def test_preset_parameter_counts_match_published():
+  """Total text-model parameters: Maverick ~400B, Scout ~108B (109B with the vision tower)."""
+  from maverick import config, model
+  assert 399e9 < model.num_params(config.maverick()) < 402e9
+  assert 107e9 < model.num_params(config.scout()) < 109e9
