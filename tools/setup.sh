@@ -9,12 +9,14 @@ ok() { "$@" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >
 
 find_python() {
   local c v
-  for c in "${PYTHON:-}" python3.13 python3.12 python3; do
+  for c in "${PYTHON:-}" python3.12 python3.13 python3; do
     [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 && ok "$c" && { command -v "$c"; return; }
   done
   # pyenv keeps versions that its shims only expose when selected.
   if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9]|[2-9][0-9])(\.|$)' | sort -V -r); do
+    # Prefer 3.12 (what the GPU image runs), then newer.
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -V -r) \
+             $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[3-9]|[2-9][0-9])(\.|$)' | sort -V); do
       c="$(pyenv root)/versions/$v/bin/python3"
       [ -x "$c" ] && ok "$c" && { echo "$c"; return; }
     done
