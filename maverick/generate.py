@@ -201,7 +201,7 @@ def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=
       top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
   graphdef, state = nnx.split(model)
   exe, compile_s = compiled_generate(graphdef, state, req, steps=steps, capacity=capacity,
-                                     pad_id=_pad_id(model.config, pad_id))
+                                     pad_id=resolve_pad_id(model.config, pad_id))
   start = time.perf_counter()
   tokens, num = exe(state, req)
   tokens, num = np.asarray(tokens), np.asarray(num)
@@ -210,7 +210,7 @@ def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=
                     compile_seconds=compile_s, run_seconds=run_s)
 
 
-def _pad_id(cfg, pad_id):
+def resolve_pad_id(cfg, pad_id) -> int:
   if pad_id is not None:
     return int(pad_id)
   return int(cfg.pad_token_id) if cfg.pad_token_id is not None else 0

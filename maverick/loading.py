@@ -13,6 +13,9 @@ from maverick.checkpoint import store
 from maverick.checkpoint.hf import CheckpointError
 
 RANDOM_PREFIX = "random:"
+# Models shipped inside the package: name -> directory in our checkpoint format.
+EMBEDDED = {"tiny": os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny")}
+DEFAULT_MODEL = "tiny"
 MAX_RANDOM_PARAMS = 2_000_000_000
 
 
@@ -35,17 +38,25 @@ class Loaded:
     return sorted(ids)
 
 
-def load(source: str, *, dtype: str | None = None, mesh=None,
+def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
          rules: sharding_lib.Rules = sharding_lib.REPLICATED, seed: int = 0,
          moe_impl: str = "tiles") -> Loaded:
   """Loads a model and its tokenizer.
 
   source:
+    - "tiny" (the default): the embedded model trained on the Python standard library
+      (maverick/assets/tiny, see its MODEL_CARD.md),
     - a directory converted by scripts/convert_hf.py (holds maverick.json),
     - a Hugging Face Llama 4 directory (config.json + safetensors), read directly,
     - "random:<preset>" (e.g. "random:tiny"): random weights of a preset config with a byte-level
       tokenizer, for smoke tests and benchmarks of shapes; its text output is meaningless.
   """
+  if source in EMBEDDED:
+    path = EMBEDDED[source]
+    if not store.is_orbax_checkpoint(path):
+      raise CheckpointError(f"the embedded model {source!r} is missing from {path}; reinstall "
+                            "maverick-jax or rebuild it with scripts/train_target.py")
+    source = path
   if source.startswith(RANDOM_PREFIX):
     name = source[len(RANDOM_PREFIX):]
     cfg = config_lib.preset(name)
@@ -62,9 +73,9 @@ def load(source: str, *, dtype: str | None = None, mesh=None,
                        "needed by the byte tokenizer of random models")
     return Loaded(model_lib.init_model(cfg, seed=seed, moe_impl=moe_impl), tok, source)
   if not os.path.isdir(source):
-    raise FileNotFoundError(f"checkpoint {source!r} is not a directory; pass a converted "
-                            "checkpoint, a Hugging Face Llama 4 directory, or random:<preset> "
-                            f"(presets: {', '.join(sorted(config_lib.PRESETS))})")
+    raise FileNotFoundError(f"checkpoint {source!r} is not a directory; pass {DEFAULT_MODEL!r} "
+                            "(embedded), a converted checkpoint, a Hugging Face Llama 4 directory, "
+                            f"or random:<preset> (presets: {', '.join(sorted(config_lib.PRESETS))})")
   if store.is_orbax_checkpoint(source):
     model = store.load_orbax(source, mesh=mesh, rules=rules, dtype=dtype, moe_impl=moe_impl)
   elif os.path.isfile(os.path.join(source, "config.json")):

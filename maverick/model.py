@@ -116,6 +116,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   return out.reshape(B, T, H, Dh).astype(q.dtype)
 
 
+def chunked_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
+  """Chunked causal self-attention for tokens at positions 0..T-1: each chunk of `chunk` tokens
+  attends only within itself, so compute as T/chunk independent blocks (T*chunk scores instead of
+  T*T). Equal to `attention` with `attention_mask(pos, pos, chunk)`."""
+  B, T, H, Dh = q.shape
+  n = -(-T // chunk)
+  pad = n * chunk - T
+  blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
+      B * n, chunk, *x.shape[2:])
+  pos = jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B * n, chunk))
+  out = attention(blocks(q), blocks(k), blocks(v), attention_mask(pos, pos, None))
+  return out.reshape(B, n * chunk, H, Dh)[:, :T]
+
+
 def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array) -> jax.Array:
   g = jnp.einsum("...d,df->...f", x, gate_df)
   u = jnp.einsum("...d,df->...f", x, up_df)
@@ -156,12 +170,38 @@ class Attention(nnx.Module):
     self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg))  # static: a constant in HLO
 
   def __call__(self, x_btd, positions_bt, layer_cache=None, cache_lengths=None, *,
-               attend_to_cache: bool = True):
+               attend_to_cache: bool = True, positions_from_zero: bool = False,
+               attention_fn=None):
     """Returns (output [B,T,D], (k_cache, v_cache) or None).
 
     With a cache, the new keys/values are written at slots cache_lengths[b] + t. `attend_to_cache=False`
     (prefill into an empty cache) attends among the new tokens only, avoiding a T x capacity score
-    matrix."""
+    matrix. `positions_from_zero` declares positions == arange(T) in every row, which lets chunked
+    layers compute block by block. `attention_fn(q, k, v) -> out` replaces the attention itself
+    (EAGLE-3 training-time test attends across unrolled steps)."""
+    q, k, v = self.project(x_btd, positions_bt)
+    if attention_fn is not None:
+      return self.output(attention_fn(q, k, v)), None
+    new_cache = None
+    keys, values, kv_pos = k, v, positions_bt
+    if layer_cache is not None:
+      k_cache = kvc.write(layer_cache[0], k, cache_lengths)
+      v_cache = kvc.write(layer_cache[1], v, cache_lengths)
+      new_cache = (k_cache, v_cache)
+      if attend_to_cache:
+        B, S = k_cache.shape[:2]
+        keys, values = k_cache, v_cache
+        kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    T = x_btd.shape[1]
+    if (positions_from_zero and self.chunk_size is not None and T > self.chunk_size
+        and keys is k):
+      out = chunked_self_attention(q, k, v, self.chunk_size)
+    else:
+      out = attention(q, keys, values, attention_mask(positions_bt, kv_pos, self.chunk_size))
+    return self.output(out), new_cache
+
+  def project(self, x_btd, positions_bt):
+    """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""
     q = jnp.einsum("btd,dhk->bthk", x_btd, self.q[...])
     k = jnp.einsum("btd,dhk->bthk", x_btd, self.k[...])
     v = jnp.einsum("btd,dhk->bthk", x_btd, self.v[...])
@@ -175,20 +215,10 @@ class Attention(nnx.Module):
     if self.temperature_tuning:  # query only, by cache position
       scale = temperature_scale(positions_bt, self.floor_scale, self.attn_scale)
       q = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(q.dtype)
+    return q, k, v
 
-    new_cache = None
-    keys, values, kv_pos = k, v, positions_bt
-    if layer_cache is not None:
-      k_cache = kvc.write(layer_cache[0], k, cache_lengths)
-      v_cache = kvc.write(layer_cache[1], v, cache_lengths)
-      new_cache = (k_cache, v_cache)
-      if attend_to_cache:
-        B, S = k_cache.shape[:2]
-        keys, values = k_cache, v_cache
-        kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    mask = attention_mask(positions_bt, kv_pos, self.chunk_size)
-    out = attention(q, keys, values, mask)
-    return jnp.einsum("bthk,hkd->btd", out, self.o[...]), new_cache
+  def output(self, out_bthk):
+    return jnp.einsum("bthk,hkd->btd", out_bthk, self.o[...])
 
 
 class MLP(nnx.Module):
@@ -217,11 +247,14 @@ class MoE(nnx.Module):
     if impl not in moe.MOE_IMPLS:
       raise ValueError(f"unknown moe_impl {impl!r}; choose one of {moe.MOE_IMPLS}")
     self.impl = impl
+    self.record_balance_loss = False  # training: model.set_attributes(record_balance_loss=True)
 
   def __call__(self, x_btd):
     B, T, D = x_btd.shape
     x = x_btd.reshape(B * T, D)
-    top_idx, scores = moe.route(x, self.router[...], self.top_k)
+    top_idx, scores, logits = moe.route(x, self.router[...], self.top_k)
+    if self.record_balance_loss:
+      self.sow(nnx.Intermediate, "balance_loss", moe.load_balancing_loss(logits, top_idx))
     routed = moe.moe_experts(x, top_idx, scores, self.gate[...], self.up[...], self.down[...],
                              impl=self.impl)
     return (self.shared(x) + routed).reshape(B, T, D)
@@ -230,22 +263,42 @@ class MoE(nnx.Module):
 class DecoderLayer(nnx.Module):
   """Pre-norm block: x += attn(norm(x)); x += ffn(norm(x)). Shared with the EAGLE-3 draft layer."""
 
-  def __init__(self, cfg: Config, layer: int, rngs: nnx.Rngs, moe_impl: str = "tiles"):
+  def __init__(self, cfg: Config, layer: int, rngs: nnx.Rngs, moe_impl: str = "tiles",
+               attn_input_dim: int | None = None):
+    """attn_input_dim: the EAGLE-3 draft layer's attention reads a caller-built, already normed
+    [embedding; hidden] input of this width, so the layer has no input norm of its own."""
     dt = jnp.dtype(cfg.dtype)
-    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
-    self.attn = Attention(cfg, layer, rngs)
+    if attn_input_dim is None:
+      self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
+    self.attn = Attention(cfg, layer, rngs, input_dim=attn_input_dim)
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
     if cfg.is_moe(layer):
       self.ffn = MoE(cfg, rngs, impl=moe_impl)
     else:
       self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size_mlp, dt, rngs)
 
-  def __call__(self, x, positions, layer_cache=None, cache_lengths=None, *, attend_to_cache=True):
-    a, layer_cache = self.attn(self.input_norm(x), positions, layer_cache, cache_lengths,
-                               attend_to_cache=attend_to_cache)
+  def __call__(self, x, positions, layer_cache=None, cache_lengths=None, *, attend_to_cache=True,
+               positions_from_zero=False, attn_input=None, attention_fn=None):
+    h = self.input_norm(x) if attn_input is None else attn_input
+    a, layer_cache = self.attn(h, positions, layer_cache, cache_lengths,
+                               attend_to_cache=attend_to_cache,
+                               positions_from_zero=positions_from_zero, attention_fn=attention_fn)
     x = x + a
     x = x + self.ffn(self.post_attn_norm(x))
     return x, layer_cache
+
+
+def token_positions(tokens_bt, positions_bt, cache, prefill: bool):
+  """Positions of new tokens: cache slots when there is a cache, else the given positions or
+  arange(T). Also whether they are known to be arange(T) in every row (chunked layers can then
+  compute block by block)."""
+  B, T = tokens_bt.shape
+  from_zero = prefill or (cache is None and positions_bt is None)
+  if cache is not None:
+    positions_bt = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  elif positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  return positions_bt, from_zero
 
 
 @jax.tree_util.register_dataclass
@@ -262,8 +315,9 @@ class Llama4(nnx.Module):
   def __init__(self, cfg: Config, rngs: nnx.Rngs, moe_impl: str = "tiles"):
     dt = jnp.dtype(cfg.dtype)
     self.config = cfg
+    # std 1/sqrt(D): as the (tied) output projection this gives unit-scale initial logits.
     self.embed = weight(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt,
-                        fan_in=1)
+                        fan_in=cfg.hidden_size)
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs, moe_impl)
                             for i in range(cfg.num_hidden_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
@@ -290,11 +344,8 @@ class Llama4(nnx.Module):
     `capture_layers`: layer indices whose residual-stream outputs are returned (EAGLE-3 features),
     taken in the same pass. `logits_at` [B]: return logits only at these time indices.
     """
-    B, T = tokens_bt.shape
-    if cache is not None:
-      positions_bt = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    elif positions_bt is None:
-      positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    T = tokens_bt.shape[1]
+    positions_bt, from_zero = token_positions(tokens_bt, positions_bt, cache, prefill)
     capture = tuple(int(i) for i in capture_layers)
     L = len(self.layers)
     if any(not 0 <= i < L for i in capture):
@@ -306,7 +357,8 @@ class Llama4(nnx.Module):
     for i, layer in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i])
       lengths = None if cache is None else cache.lengths
-      x, layer_cache = layer(x, positions_bt, layer_cache, lengths, attend_to_cache=not prefill)
+      x, layer_cache = layer(x, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
+                             positions_from_zero=from_zero)
       if layer_cache is not None:
         new_k.append(layer_cache[0])
         new_v.append(layer_cache[1])

@@ -19,12 +19,23 @@ import jax.numpy as jnp
 MOE_IMPLS = ("tiles", "ragged_dot")
 
 
-def route(x_nd: jax.Array, router_de: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """Llama 4 routing: top-k of the RAW router logits, sigmoid score (no softmax, no renorm)."""
+def route(x_nd: jax.Array, router_de: jax.Array, k: int
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Llama 4 routing: top-k of the RAW router logits, sigmoid score (no softmax, no renorm).
+  Returns (expert ids [N, k], scores [N, k], router logits [N, E])."""
   logits = jnp.einsum("nd,de->ne", x_nd, router_de)
   top_logits, top_idx = jax.lax.top_k(logits, k)
   scores = jax.nn.sigmoid(top_logits.astype(jnp.float32)).astype(x_nd.dtype)
-  return top_idx, scores
+  return top_idx, scores, logits
+
+
+def load_balancing_loss(router_logits: jax.Array, top_idx: jax.Array) -> jax.Array:
+  """Switch-Transformer auxiliary loss E * sum_e f_e * P_e (1 when perfectly balanced): f_e the
+  fraction of assignments to expert e, P_e its mean softmax router probability. Training only."""
+  E = router_logits.shape[-1]
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  frac = jnp.mean(jax.nn.one_hot(top_idx, E, dtype=jnp.float32), axis=(0, 1))
+  return E * jnp.sum(frac * jnp.mean(probs, axis=0))
 
 
 def default_tile_m(num_rows: int, num_groups: int) -> int:
@@ -74,12 +85,29 @@ def grouped_matmul(x_ad: jax.Array, w_edf: jax.Array, group_sizes: jax.Array, *,
   return out[:A]
 
 
+def _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd):
+  """Few tokens (decode, verify): gather each assignment's expert weights and run batched
+  matrix-vector products; no sorting and no loop, still only the chosen experts."""
+  N, D = x_nd.shape
+  z = (x_nd[:, None, :] * scores[..., None]).reshape(-1, D)  # [A, D]
+  e = top_idx.reshape(-1)
+  mm = lambda a, w, spec: jnp.einsum(spec, a, w[e], preferred_element_type=jnp.float32)
+  h = jax.nn.silu(mm(z, gate_edf, "ad,adf->af")) * mm(z, up_edf, "ad,adf->af")
+  y = mm(h.astype(x_nd.dtype), down_efd, "af,afd->ad")
+  return y.reshape(N, -1, D).sum(axis=1).astype(x_nd.dtype)
+
+
 def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf: jax.Array,
                 up_edf: jax.Array, down_efd: jax.Array, *, impl: str = "tiles") -> jax.Array:
-  """Sum over the k chosen experts of Expert_e(score * x) (the score scales the expert INPUT)."""
+  """Sum over the k chosen experts of Expert_e(score * x) (the score scales the expert INPUT).
+
+  With at most one assignment per expert on average (decode and verification steps) the chosen
+  weights are gathered; otherwise tokens are sorted by expert for a grouped matmul (`impl`)."""
   N, D = x_nd.shape
   k = top_idx.shape[-1]
   E = gate_edf.shape[0]
+  if impl == "tiles" and N * k <= E:
+    return _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd)
   flat_expert = top_idx.reshape(-1)
   order = jnp.argsort(flat_expert, stable=True)
   token = order // k

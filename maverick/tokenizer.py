@@ -328,3 +328,35 @@ def _message_parts(msg: Any, n: int) -> tuple[str, str]:
       parts.append(part["text"])
     return role, "".join(parts)
   raise TypeError(f"messages[{n}]['content'] must be a str or a list of text parts, got {content!r}")
+
+
+# Llama 4's special tokens that a small model trained here needs (ids follow the BPE vocabulary).
+TRAINED_SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, HEADER_START_TOKEN, HEADER_END_TOKEN,
+                          EOM_TOKEN, EOT_TOKEN, PAD_TOKEN)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, directory: str | os.PathLike) -> Tokenizer:
+  """Trains a byte-level BPE (the kind of tokenizer.json Llama 4 ships) and writes tokenizer.json and
+  tokenizer_config.json into `directory`. `vocab_size` counts the special tokens."""
+  from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+  n_special = len(TRAINED_SPECIAL_TOKENS)
+  if vocab_size < 256 + n_special:
+    raise ValueError(f"vocab_size {vocab_size} < {256 + n_special} (256 bytes + specials)")
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size - n_special, show_progress=False,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(texts, trainer=trainer)
+  tok.add_special_tokens(list(TRAINED_SPECIAL_TOKENS))
+  bos = tok.token_to_id(BOS_TOKEN)
+  tok.post_processor = processors.TemplateProcessing(
+      single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+      special_tokens=[(BOS_TOKEN, bos)])
+  directory = os.fspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  tok.save(os.path.join(directory, TOKENIZER_FILE))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": BOS_TOKEN, "eos_token": END_OF_TEXT_TOKEN, "pad_token": PAD_TOKEN}, f,
+              indent=1)
+  return Tokenizer.from_dir(directory)

@@ -15,10 +15,11 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 
 # Runnable from a source checkout without `pip install -e .`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from maverick import cli  # noqa: E402  (after the sys.path line)
 
 _HF_DIR = flags.DEFINE_string(
     "hf_dir", None,
@@ -39,23 +40,20 @@ _OVERWRITE = flags.DEFINE_bool(
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.")
 
 
-def _fail(msg: str) -> int:
-  print(f"convert_hf: error: {msg}", file=sys.stderr)
-  return 1
-
 
 def main(argv):
   # orbax logs every save step at INFO; keep the progress bar readable unless -v is given.
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    return _fail(f"unexpected arguments {argv[1:]}; all options are --flags (see --help)")
+  try:
+    cli.start(argv)
+  except cli.UsageError as e:
+    return cli.fail("convert_hf", e)
   hf_dir = _HF_DIR.value
   if not os.path.isdir(hf_dir):
-    return _fail(f"--hf_dir {hf_dir} is not a directory")
+    return cli.fail("convert_hf", f"--hf_dir {hf_dir} is not a directory")
   # Checked here too so the mistake is reported before the slow imports and the header scan.
   if os.path.lexists(_OUT_DIR.value) and not _OVERWRITE.value:
-    return _fail(f"--out_dir {_OUT_DIR.value} already exists; choose another or pass --overwrite")
+    return cli.fail("convert_hf",
+                    f"--out_dir {_OUT_DIR.value} already exists; choose another or pass --overwrite")
 
   # Imported late: jax and orbax take seconds to import, which --help and the checks above skip.
   from maverick.checkpoint import CheckpointError, convert_hf_to_orbax
@@ -66,9 +64,9 @@ def main(argv):
                               overwrite=_OVERWRITE.value, progress=_PROGRESS.value)
   except (CheckpointError, ConfigError, FileExistsError, PermissionError) as e:
     # User mistakes: one line, no traceback. Anything else is a bug and keeps its traceback.
-    return _fail(str(e).replace("\n", " "))
+    return cli.fail("convert_hf", e)
   except KeyboardInterrupt:
-    return _fail(f"interrupted; nothing was written to {_OUT_DIR.value}")
+    return cli.fail("convert_hf", f"interrupted; nothing was written to {_OUT_DIR.value}")
   print(f"converted {hf_dir} -> {out}")
   return 0
 

@@ -44,7 +44,7 @@ def test_moe_experts_matches_numpy(k):
   router = rng.normal(size=(D, E)).astype(np.float32)
   gate, up = (rng.normal(size=(E, D, F)).astype(np.float32) * 0.3 for _ in range(2))
   down = rng.normal(size=(E, F, D)).astype(np.float32) * 0.3
-  top_idx, scores = moe.route(jnp.asarray(x), jnp.asarray(router), k)
+  top_idx, scores, _ = moe.route(jnp.asarray(x), jnp.asarray(router), k)
   logits = x.astype(np.float64) @ router
   np.testing.assert_array_equal(np.sort(np.asarray(top_idx), -1),
                                 np.sort(np.argsort(-logits, -1)[:, :k], -1))
@@ -74,7 +74,7 @@ def test_unselected_experts_are_never_computed(impl):
   expert on every token, or a masked dense product, as lax.ragged_dot lowers on CPU) would give
   NaN * 0 = NaN."""
   x, router, gate, up, down = _routed_problem(np.random.default_rng(2))
-  top_idx, scores = moe.route(jnp.asarray(x), jnp.asarray(router), 1)
+  top_idx, scores, _ = moe.route(jnp.asarray(x), jnp.asarray(router), 1)
   assert set(np.asarray(top_idx).ravel().tolist()) <= set(range(4))
   for w in (gate, up, down):
     w[4:] = np.nan

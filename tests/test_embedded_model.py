@@ -1,0 +1,107 @@
+"""The shipped default model (maverick/assets/tiny): loads with no arguments, has every Llama 4 feature,
+reproduces its model card, and generates deterministically."""
+
+import hashlib
+import io
+import json
+import os
+import tokenize
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import maverick
+from maverick import data, evaluation
+from maverick import model as model_lib
+from maverick.generate import generate
+from maverick.loading import EMBEDDED
+
+ASSET = EMBEDDED["tiny"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return maverick.load()
+
+
+@pytest.fixture(scope="module")
+def card():
+  with open(os.path.join(ASSET, "model_card.json")) as f:
+    return json.load(f)
+
+
+def test_loads_with_no_arguments_and_has_every_feature(tiny):
+  cfg = tiny.config
+  assert tiny.tokenizer is not None and tiny.tokenizer.vocab_size == cfg.vocab_size
+  assert cfg.moe_layers and cfg.num_local_experts >= 8 and cfg.num_experts_per_tok == 1
+  assert len(cfg.moe_layers) < cfg.num_hidden_layers  # interleaved with dense layers
+  assert 0 in cfg.no_rope_layers and 1 in cfg.no_rope_layers  # NoPE and RoPE layers
+  assert cfg.attn_temperature_tuning and cfg.use_qk_norm
+  assert cfg.attention_chunk_size < cfg.max_position_embeddings  # chunking is active in context
+  assert cfg.eos_token_ids and set(cfg.eos_token_ids) <= set(tiny.stop_tokens)
+
+
+def test_shipped_checkpoint_fits_16_mb():
+  total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ASSET) for f in fs)
+  assert total <= 16 * 2**20, total
+
+
+def test_greedy_is_deterministic_and_matches_stepwise_reference(tiny):
+  """One-call generate == a host loop of full-recompute forwards taking the argmax."""
+  prompt = tiny.tokenizer.encode("import os\n\n\ndef read_file(path):\n")
+  n_new = 24
+  a = generate(tiny.model, [prompt], max_new_tokens=n_new, stop_tokens=[]).tokens[0]
+  b = generate(tiny.model, [prompt], max_new_tokens=n_new, stop_tokens=[]).tokens[0]
+  assert a == b and len(a) == n_new
+  graphdef, state = nnx.split(tiny.model)
+  seq = list(prompt)
+  for _ in range(n_new):
+    out = model_lib.apply(graphdef, state, jnp.asarray([seq]),
+                          logits_at=jnp.asarray([len(seq) - 1]))
+    seq.append(int(np.argmax(np.asarray(out.logits[0]))))
+  assert seq[len(prompt):] == a
+
+
+def test_generates_plausible_python(tiny):
+  """Greedy continuations of Python prompts are Python: complete lines tokenize as Python source and
+  use its keywords (the model is small: it repeats itself, but in Python)."""
+  prompts = ["import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def push(self, item):"]
+  for prompt in prompts:
+    out = generate(tiny.model, [tiny.tokenizer.encode(prompt)], max_new_tokens=64,
+                   stop_tokens=tiny.stop_tokens).tokens[0]
+    text = prompt + tiny.tokenizer.decode(out)
+    complete = text[:text.rfind("\n") + 1]
+    toks = list(tokenize.generate_tokens(io.StringIO(complete).readline))
+    assert not [t for t in toks if t.type == tokenize.ERRORTOKEN and not t.string.isspace()]
+    names = {t.string for t in toks if t.type == tokenize.NAME}
+    assert names & {"def", "return", "self", "import", "if", "for", "class", "in", "None"}, text
+
+
+def _subset_texts(card):
+  root = data.stdlib_root()
+  sub = card["validation_subset"]
+  texts = data.read_texts(root, sub["files"]).texts
+  if [hashlib.sha256(t.encode()).hexdigest() for t in texts] != sub["sha256"]:
+    pytest.skip("this Python's stdlib files differ from those the model card was measured on "
+                f"(Python {card['data']['python']})")
+  return texts
+
+
+def test_validation_subset_bits_per_byte_reproduces_model_card(tiny, card):
+  """Tolerance 0.01 bits/byte: same weights and data; only CPU float differences may move it."""
+  texts = _subset_texts(card)
+  result = evaluation.evaluate(tiny.model, tiny.tokenizer, texts, seq_len=card["train"]["seq_len"])
+  assert result.bytes == card["validation_subset"]["bytes"]
+  assert abs(result.bits_per_byte - card["validation_subset"]["bits_per_byte"]) < 0.01
+
+
+def test_beats_unigram_byte_model_by_a_wide_margin(tiny, card):
+  texts = _subset_texts(card)
+  train = data.load_split(None, "train", card["data"]["val_fraction"]).texts
+  unigram = evaluation.unigram_byte_bits_per_byte(train, texts)
+  result = evaluation.evaluate(tiny.model, tiny.tokenizer, texts, seq_len=card["train"]["seq_len"])
+  assert unigram > 4.0  # sanity of the baseline on Python source
+  assert result.bits_per_byte < 0.5 * unigram
+  assert card["validation"]["bits_per_byte"] < 0.5 * card["unigram_byte_baseline_bits_per_byte"]
