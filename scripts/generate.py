@@ -13,18 +13,19 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DEFAULT_CHECKPOINT = "random:tiny"
+from maverick import cli  # noqa: E402  (after the sys.path line)
+
+DEFAULT_CHECKPOINT = "tiny"
 
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", DEFAULT_CHECKPOINT,
-    "A checkpoint converted by scripts/convert_hf.py, a Hugging Face Llama 4 directory "
-    "(config.json + safetensors), or random:<preset> (random weights, byte tokenizer: output is "
-    "noise; presets: tiny, tiny_top2_tied, scout, maverick). Default: random:tiny until the "
-    "embedded trained model ships.")
+    "'tiny' (the embedded model trained on the Python stdlib), a checkpoint converted by "
+    "scripts/convert_hf.py, a Hugging Face Llama 4 directory (config.json + safetensors), or "
+    "random:<preset> (random weights, byte tokenizer: output is noise; presets: tiny, "
+    "tiny_top2_tied).")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (this or --batch_file).")
 _BATCH_FILE = flags.DEFINE_string(
     "batch_file", None, "Text file with one prompt per line (blank lines skipped); all prompts run "
@@ -38,13 +39,17 @@ _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                            "Compute/parameter dtype. Default: the checkpoint's.")
 _MAX_CACHE_LEN = flags.DEFINE_integer(
     "max_cache_len", None, "KV cache positions per row. Default: prompt and generation buckets.")
+_SPEC_K = flags.DEFINE_integer(
+    "spec_k", 3, "EAGLE-3 speculative decoding: draft tokens per round (0 = plain decoding). "
+    "Lossless: greedy output is identical, sampled output has the same distribution.")
+_DRAFT = flags.DEFINE_string(
+    "draft", None, "EAGLE-3 draft head: a draft saved by scripts/train_eagle3.py, or an EAGLE-3 "
+    "checkpoint directory (config.json + safetensors, e.g. nvidia/Llama-4-Maverick-17B-128E-Eagle3)."
+    " Default: the embedded draft when --checkpoint is the embedded model, else none (plain "
+    "decoding).")
 _CHAT = flags.DEFINE_bool("chat", False, "Wrap each prompt in the Llama 4 chat template (needs "
                           "the checkpoint's tokenizer.json with the header tokens).")
 
-
-def _fail(msg: str) -> int:
-  print(f"generate: error: {msg}", file=sys.stderr)
-  return 1
 
 
 def _read_prompts() -> list[str]:
@@ -63,15 +68,17 @@ def _read_prompts() -> list[str]:
 
 
 def main(argv):
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    return _fail(f"unexpected arguments {argv[1:]}; all options are --flags (see --help)")
+  try:
+    cli.start(argv)
+  except cli.UsageError as e:
+    return cli.fail("generate", e)
   import maverick  # late: --help and flag errors stay instant
   from maverick.checkpoint import CheckpointError
   from maverick.config import ConfigError
   from maverick.generate import generate
   from maverick.tokenizer import TokenizerError
+  import spec_decode
+  from spec_decode.draft import DraftConfigError
 
   try:
     texts = _read_prompts()
@@ -84,13 +91,26 @@ def main(argv):
       prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     else:
       prompts = [tok.encode(t) for t in texts]
-    out = generate(loaded.model, prompts, max_new_tokens=_MAX_NEW.value,
-                   temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
-                   seed=_SEED.value, stop_tokens=loaded.stop_tokens,
-                   max_cache_len=_MAX_CACHE_LEN.value)
+    if _SPEC_K.value < 0:
+      raise ValueError(f"--spec_k must be >= 0 (0 = plain decoding), got {_SPEC_K.value}")
+    draft, note = None, ""
+    if _SPEC_K.value > 0:
+      if _DRAFT.value:
+        draft = spec_decode.load_draft(_DRAFT.value, loaded.model)
+      elif _CHECKPOINT.value in spec_decode.EMBEDDED_DRAFTS:
+        draft = spec_decode.load_draft(_CHECKPOINT.value, loaded.model)
+      else:
+        note = "(no --draft for this checkpoint: plain decoding)"
+    kw = dict(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+              top_p=_TOP_P.value, seed=_SEED.value, stop_tokens=loaded.stop_tokens,
+              max_cache_len=_MAX_CACHE_LEN.value)
+    if draft is None:
+      out = generate(loaded.model, prompts, **kw)
+    else:
+      out = spec_decode.generate(loaded.model, draft, prompts, k=_SPEC_K.value, **kw)
   except (ValueError, FileNotFoundError, CheckpointError, ConfigError, TokenizerError,
-          NotImplementedError) as e:
-    return _fail(str(e).replace("\n", " "))
+          DraftConfigError, NotImplementedError) as e:
+    return cli.fail("generate", e)
 
   stops = set(loaded.stop_tokens)
   for text, toks in zip(texts, out.tokens):
@@ -102,6 +122,12 @@ def main(argv):
   print(f"[{loaded.source}] {len(texts)} prompt(s), {n} new tokens | compile {out.compile_seconds:.2f}"
         f" s | generation {out.run_seconds:.3f} s = {out.tokens_per_second:.1f} tokens/s "
         f"({out.tokens_per_second / len(texts):.1f} per sequence)")
+  if draft is not None:
+    rates = " ".join(f"{r:.2f}" for r in out.acceptance_rates)
+    print(f"speculative K={_SPEC_K.value}: acceptance length {out.acceptance_length:.2f} tokens per "
+          f"verify step; per-position acceptance {rates}")
+  elif note:
+    print(note)
   return 0
 
 

@@ -58,18 +58,34 @@ def test_cli_batch_file_sampling_and_chat(hf_dir_with_tokenizer, tmp_path):
   assert body(r1.stdout) == body(r2.stdout)  # seeded
 
 
-def test_cli_default_random_model():
-  r = _run("--prompt=hello", "--max_new_tokens=4")
+def test_cli_default_speculative_equals_plain():
+  """The main job: embedded model + embedded EAGLE-3 draft by default; greedy text is identical
+  with speculation off."""
+  args = ["--prompt=import os\n\n\ndef read_lines(path):", "--max_new_tokens=40"]
+  spec, plain = _run(*args), _run(*args, "--spec_k=0")
+  assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+  text = lambda r: [l for l in r.stdout.splitlines() if "tokens/s" not in l
+                    and not l.startswith("speculative")]
+  assert text(spec) == text(plain)
+  assert "speculative K=3: acceptance length" in spec.stdout
+  assert "speculative" not in plain.stdout
+
+
+def test_cli_random_model():
+  r = _run("--checkpoint=random:tiny", "--prompt=hello", "--max_new_tokens=4")
   assert r.returncode == 0, r.stderr
   assert "random weights" in r.stdout and "tokens/s" in r.stdout
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--prompt=x", "--top_p=1.5"], ["top_p"]),
-    (["--prompt=x", "--temperature=-1"], ["temperature"]),
+    (["--checkpoint=random:tiny", "--prompt=x", "--top_p=1.5"], ["top_p"]),
+    (["--checkpoint=random:tiny", "--prompt=x", "--temperature=-1"], ["temperature"]),
     (["--prompt=x", "--batch_file=/no/such/file"], ["exactly one of --prompt or --batch_file"]),
     (["--checkpoint=/no/such/dir", "--prompt=x"], ["/no/such/dir", "not a directory"]),
-    (["--prompt=abcdefghij", "--max_cache_len=4"], ["KV cache holds 4"]),
+    (["--prompt=x", "--spec_k=-1"], ["--spec_k must be >= 0"]),
+    (["--prompt=x", "--draft=/no/such/draft"], ["/no/such/draft", "not a directory"]),
+    (["--checkpoint=random:tiny", "--prompt=abcdefghij", "--max_cache_len=4"],
+     ["KV cache holds 4"]),
 ])
 def test_cli_user_errors_are_one_line(args, words):
   r = _run(*args)

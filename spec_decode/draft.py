@@ -1,0 +1,181 @@
+"""EAGLE-3 draft head: one Llama decoder layer over [norm(embed(token)); norm(hidden)].
+
+Data flow at draft position p (absolute RoPE position p), as in the reference code (not the paper):
+  g     = fc([low_p; mid_p; high_p])   on a target-feature step ("extend"), else the previous step's
+                                       pre-norm output a_p ("chain step", no fc)
+  x     = [embed_norm(embed(token_{p+1})); hidden_norm(g)]        # 2D wide: q/k/v read it directly
+  y     = g + attn(x);  a = y + mlp(post_norm(y))                 # the model's own DecoderLayer
+  logits = lm_head(final_norm(a)) over the draft vocabulary; target id = i + d2t[i]
+The embedding table is the target's (passed in, never copied). The draft keeps a one-layer KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maverick import config as config_lib
+from maverick import kv_cache as kvc
+from maverick.config import Config
+from maverick.model import DecoderLayer, RMSNorm, token_positions, weight
+
+
+class DraftConfigError(ValueError):
+  """A draft head that does not fit its target, or a malformed draft config."""
+
+
+class Buffer(nnx.Variable):
+  """Non-trainable state saved with the weights (the d2t id map)."""
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
+  """(1, N//2 - 1, N - 4): outputs of a low, a middle and a high layer (output-of-layer ids)."""
+  n = num_target_layers
+  return (min(1, n - 1), max(0, n // 2 - 1), max(0, n - 4))
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+  layer: Config  # the draft decoder layer (num_hidden_layers == 1, global causal attention)
+  target_hidden_size: int
+  target_vocab_size: int
+  draft_vocab_size: int
+  aux_layer_ids: tuple[int, ...]  # target layers whose OUTPUTS are the features, low to high
+
+  def __post_init__(self):
+    if self.layer.num_hidden_layers != 1:
+      raise DraftConfigError("the EAGLE-3 draft has exactly one decoder layer")
+    if not 1 <= self.draft_vocab_size <= self.target_vocab_size:
+      raise DraftConfigError(f"draft_vocab_size {self.draft_vocab_size} must be in "
+                             f"[1, target vocab {self.target_vocab_size}]")
+    if len(self.aux_layer_ids) != 3:
+      raise DraftConfigError(f"EAGLE-3 fuses 3 target layers, got aux_layer_ids "
+                             f"{self.aux_layer_ids}")
+    object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+
+  @property
+  def hidden_size(self) -> int:
+    return self.layer.hidden_size
+
+  def check_target(self, target: Config):
+    """Raises DraftConfigError naming the mismatch between this draft and a target model."""
+    L = target.num_hidden_layers
+    bad = [i for i in self.aux_layer_ids if not 0 <= i < L]
+    if bad:
+      raise DraftConfigError(f"aux layer ids {list(self.aux_layer_ids)} are outside the target's "
+                             f"layers 0..{L - 1} (ids count layer OUTPUTS, 0-based)")
+    if self.target_hidden_size != target.hidden_size:
+      raise DraftConfigError(f"draft expects target hidden size {self.target_hidden_size}, the "
+                             f"target has {target.hidden_size}")
+    if self.hidden_size != target.hidden_size:
+      raise DraftConfigError(f"draft hidden size {self.hidden_size} != target hidden size "
+                             f"{target.hidden_size}: the draft shares the target's embedding")
+    if self.target_vocab_size != target.vocab_size:
+      raise DraftConfigError(f"draft maps into a vocabulary of {self.target_vocab_size} ids, the "
+                             f"target has {target.vocab_size}")
+
+  @classmethod
+  def for_target(cls, target: Config, *, draft_vocab_size: int | None = None,
+                 intermediate_size: int | None = None,
+                 aux_layer_ids: Sequence[int] | None = None, dtype: str | None = None
+                 ) -> "Eagle3Config":
+    """A draft shaped like the target's layers (heads, head dim, RoPE base, eps)."""
+    layer = Config(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        intermediate_size_mlp=intermediate_size or target.intermediate_size_mlp,
+        num_hidden_layers=1, num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+        rms_norm_eps=target.rms_norm_eps, moe_layers=(), use_qk_norm=False,
+        rope_theta=target.rope_theta, rope_scaling=target.rope_scaling, no_rope_layers=(1,),
+        layer_types=(config_lib.FULL,), attn_temperature_tuning=False,
+        max_position_embeddings=target.max_position_embeddings, dtype=dtype or target.dtype)
+    return cls(layer=layer, target_hidden_size=target.hidden_size,
+               target_vocab_size=target.vocab_size,
+               draft_vocab_size=draft_vocab_size or target.vocab_size,
+               aux_layer_ids=tuple(aux_layer_ids or default_aux_layers(target.num_hidden_layers)))
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"layer": self.layer.to_dict(), "target_hidden_size": self.target_hidden_size,
+            "target_vocab_size": self.target_vocab_size,
+            "draft_vocab_size": self.draft_vocab_size, "aux_layer_ids": list(self.aux_layer_ids)}
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "Eagle3Config":
+    d = dict(d)
+    d["layer"] = Config.from_dict(d["layer"])
+    d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
+    return cls(**d)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftOutput:
+  logits: jax.Array  # [B, (T,) Vd] over the draft vocabulary
+  hidden: jax.Array  # [B, (T,) D] pre-norm layer output: the next chain step's hidden input
+  cache: kvc.KVCache | None
+
+
+class Eagle3Draft(nnx.Module):
+
+  def __init__(self, cfg: Eagle3Config, rngs: nnx.Rngs):
+    D, Dt = cfg.hidden_size, cfg.target_hidden_size
+    lc = cfg.layer
+    dt = jnp.dtype(lc.dtype)
+    self.config = cfg
+    self.fc = weight(rngs, (3 * Dt, D), ("embed_aux", "embed"), dt)
+    self.embed_norm = RMSNorm(D, lc.rms_norm_eps, dt, rngs)  # "input_layernorm" in checkpoints
+    self.hidden_norm = RMSNorm(D, lc.rms_norm_eps, dt, rngs)
+    self.layer = DecoderLayer(lc, 0, rngs, attn_input_dim=2 * D)
+    self.final_norm = RMSNorm(D, lc.rms_norm_eps, dt, rngs)
+    self.lm_head = weight(rngs, (D, cfg.draft_vocab_size), ("embed", "vocab"), dt)
+    self.d2t = Buffer(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))  # offsets: target = i + d2t[i]
+
+  def fuse(self, features_btx):
+    """fc over the concatenated target features [B, T, 3*Dt] -> [B, T, D]."""
+    return jnp.einsum("btx,xd->btd", features_btx.astype(self.fc.dtype), self.fc[...])
+
+  def __call__(self, tokens_bt, hidden_btd, embed_vd, positions_bt=None, cache=None, *,
+               prefill: bool = False, logits_at=None, attention_fn=None) -> DraftOutput:
+    """One draft forward. `hidden_btd` is fc(features) on an extend step or the previous step's
+    output on a chain step; `tokens_bt` are the tokens one position AHEAD of the hidden states."""
+    T = tokens_bt.shape[1]
+    positions_bt, from_zero = token_positions(tokens_bt, positions_bt, cache, prefill)
+    g = hidden_btd.astype(self.fc.dtype)
+    e = jnp.take(embed_vd, tokens_bt, axis=0).astype(g.dtype)
+    attn_in = jnp.concatenate([self.embed_norm(e), self.hidden_norm(g)], axis=-1)
+    layer_cache = None if cache is None else (cache.k[0], cache.v[0])
+    lengths = None if cache is None else cache.lengths
+    out, layer_cache = self.layer(g, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
+                                  positions_from_zero=from_zero, attn_input=attn_in,
+                                  attention_fn=attention_fn)
+    new_cache = None if cache is None else kvc.KVCache(
+        k=(layer_cache[0],), v=(layer_cache[1],), lengths=cache.lengths + T)
+    if logits_at is not None:
+      out = jnp.take_along_axis(out, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+    logits = jnp.einsum("...d,dv->...v", self.final_norm(out), self.lm_head[...])
+    return DraftOutput(logits=logits, hidden=out, cache=new_cache)
+
+  def target_ids(self, draft_ids):
+    return draft_ids + self.d2t[...][draft_ids]
+
+  def lift_logits(self, logits_vd, target_vocab: int):
+    """Draft-vocab logits -> target-vocab logits, -inf outside the draft vocabulary."""
+    ids = self.target_ids(jnp.arange(logits_vd.shape[-1]))
+    out = jnp.full(logits_vd.shape[:-1] + (target_vocab,), -jnp.inf, logits_vd.dtype)
+    return out.at[..., ids].set(logits_vd)
+
+  def init_cache(self, batch_size: int, capacity: int) -> kvc.KVCache:
+    return kvc.KVCache.init(self.config.layer, batch_size, capacity, num_layers=1)
+
+
+def init_draft(cfg: Eagle3Config, seed: int = 0) -> Eagle3Draft:
+  return Eagle3Draft(cfg, nnx.Rngs(params=seed))
+
+
+def abstract_draft(cfg: Eagle3Config) -> Eagle3Draft:
+  return nnx.eval_shape(lambda: Eagle3Draft(cfg, nnx.Rngs(params=0)))

@@ -1,0 +1,188 @@
+"""EAGLE-3 speculative generation as ONE jitted call: prefill, then a `lax.while_loop` of rounds.
+
+A round (K static): verify [x0, c_1..c_K] with one target forward over K+1 tokens (capturing the aux
+features), accept on device, commit by moving per-row length pointers (rejected KV is simply
+overwritten next round), extend the draft over the verified positions from the target features, and
+draft the next K candidates. Rows finish on stop tokens / max tokens independently; all shapes are
+fixed, so finished rows keep computing but commit nothing.
+
+Shares the KV cache, sampling and stopping code with `maverick.generate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maverick import generate as plain
+from maverick import sampling
+from maverick.model import Llama4
+from spec_decode.draft import Eagle3Draft
+from spec_decode.verify import Candidates, chain_parents, verify_chain
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecStats:
+  rounds: jax.Array  # [B] verify rounds while the row was active
+  accepted: jax.Array  # [B] sum over rounds of (accepted drafts + 1): tokens per verify step
+  accepted_at: jax.Array  # [B, K] rounds in which draft position j was accepted
+
+
+def _features(hidden):  # [3, B, T, D] captured layer outputs -> [B, T, 3D], low..high
+  return jnp.concatenate(list(hidden), axis=-1)
+
+
+def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, params, key, *,
+                k: int, vocab: int) -> tuple[Candidates, object]:
+  """From the draft's output at the last committed position, draft K candidates by a chain of
+  single-token draft steps at positions committed, committed+1, ... (overwriting stale entries)."""
+  tokens, probs = [], []
+  for j in range(k):
+    key, sub = jax.random.split(key)
+    q = sampling.probabilities(draft.lift_logits(logits, vocab), params)
+    tok = jax.random.categorical(sub, jnp.log(q), axis=-1).astype(jnp.int32)
+    tokens.append(tok)
+    probs.append(q)
+    if j + 1 < k:
+      out = draft(tok[:, None], hidden[:, None], embed, cache=dcache.with_lengths(committed + j))
+      logits, hidden, dcache = out.logits[:, 0], out.hidden[:, 0], out.cache
+  return Candidates(jnp.stack(tokens, 1), jnp.stack(probs, 1), chain_parents(k)), dcache
+
+
+def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Request, *, k: int,
+                   steps: int, capacity: int, pad_id: int):
+  target: Llama4 = nnx.merge(tgt_graphdef, tgt_state)
+  draft: Eagle3Draft = nnx.merge(dr_graphdef, dr_state)
+  aux = draft.config.aux_layer_ids
+  V = target.config.vocab_size
+  B, Tp = req.prompt.shape
+  params = req.sampling
+  embed = target.embed[...]
+  key = jax.random.key(req.seed)
+  stop = lambda out, new, n: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens, pad_id)
+
+  # Prefill: target over the prompts (features at every position), first token, draft extend.
+  out, cache = plain.prefill(target, req, capacity, capture_layers=aux)
+  key, k_first, k_draft = jax.random.split(key, 3)
+  x0 = sampling.sample(out.logits, k_first, params)
+  result = stop(sampling.init_output(B, steps, k + 1, pad_id), x0[:, None],
+                jnp.ones((B,), jnp.int32))
+  L = req.prompt_lengths
+  # Draft position p pairs the target feature at p with the token at p+1.
+  shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+  shifted = jnp.where(jnp.arange(Tp)[None, :] == (L - 1)[:, None], x0[:, None], shifted)
+  dout = draft(shifted, draft.fuse(_features(out.hidden)), embed,
+               cache=draft.init_cache(B, capacity), prefill=True, logits_at=L - 1)
+  cand, dcache = draft_chain(draft, dout.logits, dout.hidden, dout.cache, L, embed, params,
+                             k_draft, k=k, vocab=V)
+  stats = SpecStats(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
+                    jnp.zeros((B, k), jnp.int32))
+
+  def cond(carry):
+    step, result = carry[0], carry[3]
+    return (step < steps) & ~jnp.all(result.done)
+
+  def body(carry):
+    step, x0, L, result, cand, cache, dcache, stats, key = carry
+    key, k_verify, k_draft = jax.random.split(key, 3)
+    active = ~result.done
+    # Verify [x0, c_1..c_K] at positions L..L+K in one target forward.
+    tokens = jnp.concatenate([x0[:, None], cand.tokens], axis=1)
+    out = target(tokens, cache=cache.with_lengths(L), capture_layers=aux)
+    n, nxt = verify_chain(out.logits, cand, params, k_verify)
+    emitted = jnp.concatenate([cand.tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], nxt[:, None], emitted)
+    result = stop(result, emitted, n + 1)
+    stats = SpecStats(
+        stats.rounds + active, stats.accepted + jnp.where(active, n + 1, 0),
+        stats.accepted_at + (active[:, None] & (jnp.arange(k)[None, :] < n[:, None])))
+    L_new = jnp.where(active, L + n + 1, L)
+    x0 = jnp.where(active, nxt, x0)
+    # Draft extend over the verified positions (token at p+1 = emitted[p - L]); keep row n.
+    dout = draft(emitted, draft.fuse(_features(out.hidden)), embed, cache=dcache.with_lengths(L),
+                 logits_at=n)
+    cand, dcache = draft_chain(draft, dout.logits, dout.hidden, dout.cache, L_new, embed, params,
+                               k_draft, k=k, vocab=V)
+    return step + 1, x0, L_new, result, cand, out.cache, dcache, stats, key
+
+  carry = (1, x0, L, result, cand, cache, dcache, stats, key)
+  carry = jax.lax.while_loop(cond, body, carry)
+  result, stats = carry[3], carry[7]
+  return result.tokens[:, :steps], result.num_tokens, stats
+
+
+spec_generate_jit = jax.jit(
+    _spec_generate, static_argnames=("tgt_graphdef", "dr_graphdef", "k", "steps", "capacity",
+                                     "pad_id"))
+
+_EXECUTABLES: dict = {}
+
+
+def compiled_spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, *, k, steps,
+                           capacity, pad_id):
+  """(compiled executable, seconds compiling now: 0.0 when cached)."""
+  leaves, tree = jax.tree.flatten((tgt_state, dr_state, req))
+  key = (tgt_graphdef, dr_graphdef, k, steps, capacity, pad_id, tree,
+         tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+  if key in _EXECUTABLES:
+    return _EXECUTABLES[key], 0.0
+  start = time.perf_counter()
+  exe = spec_generate_jit.lower(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, k=k,
+                                steps=steps, capacity=capacity, pad_id=pad_id).compile()
+  _EXECUTABLES[key] = exe
+  return exe, time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class SpecGeneration(plain.Generation):
+  rounds: np.ndarray = None  # [B]
+  accepted: np.ndarray = None  # [B]
+  accepted_at: np.ndarray = None  # [B, K]
+
+  @property
+  def acceptance_length(self) -> float:
+    """Mean tokens per verify step (accepted drafts + the bonus/correction token)."""
+    return float(self.accepted.sum()) / max(int(self.rounds.sum()), 1)
+
+  @property
+  def acceptance_rates(self) -> np.ndarray:
+    """Per draft position j: fraction of rounds whose first j+1 drafts were all accepted."""
+    return self.accepted_at.sum(0) / max(int(self.rounds.sum()), 1)
+
+
+def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]], *,
+             k: int = 3, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, stop_tokens=None,
+             max_cache_len: int | None = None, pad_id: int | None = None) -> SpecGeneration:
+  """Speculative generation with an EAGLE-3 draft: same arguments and output as
+  `maverick.generate.generate`, plus acceptance statistics. Lossless: greedy output equals plain
+  greedy output, and sampled output has the target's distribution."""
+  if not (isinstance(k, (int, np.integer)) and k >= 1):
+    raise ValueError(f"speculative decoding needs k >= 1 draft tokens per round, got k={k}; use "
+                     "maverick.generate.generate (or --spec_k 0) for plain decoding")
+  draft.config.check_target(target.config)
+  req, steps, capacity = plain.prepare(
+      target.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+      top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
+  capacity += k + 1  # a verify window may run K+1 positions past the last committed token
+  tgt_graphdef, tgt_state = nnx.split(target)
+  dr_graphdef, dr_state = nnx.split(draft)
+  exe, compile_s = compiled_spec_generate(
+      tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, k=k, steps=steps, capacity=capacity,
+      pad_id=plain.resolve_pad_id(target.config, pad_id))
+  start = time.perf_counter()
+  tokens, num, stats = exe(tgt_state, dr_state, req)
+  tokens, num = np.asarray(tokens), np.asarray(num)
+  stats = jax.tree.map(np.asarray, stats)
+  run_s = time.perf_counter() - start
+  return SpecGeneration(
+      tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)], num_tokens=num,
+      compile_seconds=compile_s, run_seconds=run_s, rounds=stats.rounds,
+      accepted=stats.accepted, accepted_at=stats.accepted_at)

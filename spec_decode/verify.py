@@ -1,0 +1,68 @@
+"""Drafting and lossless verification of a speculative round.
+
+A drafter returns `Candidates`: tokens, the draft's TRUE probabilities q for each (already lifted into
+the target vocabulary) and each candidate's parent, so a tree drafter can replace the chain without
+touching verification. The verifier implements the standard rejection rule: accept candidate x with
+probability min(1, p(x)/q(x)); on the first rejection sample from norm(max(0, p - q)); if all are
+accepted sample the bonus token from p. p and q are processed with the same temperature / top-k / top-p
+as plain generation (`maverick.sampling.probabilities`). Greedy rows have one-hot p and q, for which
+the rule reduces exactly to "longest prefix equal to the target argmax, plus the target's next token".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from maverick import sampling
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Candidates:
+  tokens: jax.Array  # [B, K] target-vocabulary ids
+  probs: jax.Array  # [B, K, V] draft distribution each token was drawn from
+  parents: jax.Array  # [K] int32, parent candidate index (-1 = the round's root token)
+
+
+def chain_parents(k: int) -> jax.Array:
+  return jnp.arange(k, dtype=jnp.int32) - 1
+
+
+def _row_params(params: sampling.SamplingParams, reps: int) -> sampling.SamplingParams:
+  return jax.tree.map(lambda x: jnp.repeat(x, reps, axis=0), params)
+
+
+def target_probabilities(logits_btv: jax.Array, params: sampling.SamplingParams) -> jax.Array:
+  """p for every position [B, T, V] with per-row sampling parameters."""
+  B, T, V = logits_btv.shape
+  p = sampling.probabilities(logits_btv.reshape(B * T, V), _row_params(params, T))
+  return p.reshape(B, T, V)
+
+
+def verify_chain(logits_btv: jax.Array, cand: Candidates, params: sampling.SamplingParams,
+                 key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Target logits at [root, c_1..c_K] -> (accepted count n [B] in 0..K, next token [B]).
+
+  The next token is the correction sampled from the residual at position n when n < K, or the
+  bonus sampled from p_K when every candidate was accepted.
+  """
+  B, K = cand.tokens.shape
+  V = logits_btv.shape[-1]
+  p = target_probabilities(logits_btv, params)  # [B, K+1, V]
+  p_draft = jnp.take_along_axis(p[:, :K], cand.tokens[..., None], axis=-1)[..., 0]
+  q_draft = jnp.take_along_axis(cand.probs, cand.tokens[..., None], axis=-1)[..., 0]
+  k_accept, k_next = jax.random.split(key)
+  u = jax.random.uniform(k_accept, (B, K))
+  accept = u * q_draft < p_draft  # u < p/q without dividing; q(x) > 0 since x was drawn from q
+  n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+  p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+  q_pad = jnp.concatenate([cand.probs, jnp.zeros((B, 1, V), cand.probs.dtype)], axis=1)
+  q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]
+  residual = jnp.maximum(p_n - q_n, 0.0)
+  # p == q leaves nothing to correct with (then rejection had probability 0): fall back to p.
+  residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_n)
+  nxt = jax.random.categorical(k_next, jnp.log(residual), axis=-1)
+  return n.astype(jnp.int32), nxt.astype(jnp.int32)
