@@ -99,3 +99,34 @@ def test_bad_training_input(fixture_model, draft, tmp_path):
     spec_train.train_draft(fixture_model, cfg, _tc(), np.zeros((4,), np.int32), str(tmp_path))
   with pytest.raises(train_lib.TrainError, match="ttt length"):
     spec_train.TTTConfig(length=0)
+
+
+def _script(name, *args):
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  return subprocess.run([sys.executable, str(repo / "scripts" / name), *args], cwd=repo,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                        timeout=600)
+
+
+def test_train_eagle3_script_bad_input(tmp_path):
+  r = _script("train_eagle3.py", "--gen_temperatures=-1", f"--workdir={tmp_path / 'w'}",
+              f"--out_dir={tmp_path / 'o'}")
+  assert r.returncode == 1 and "Traceback" not in r.stderr
+  assert "--gen_temperatures" in r.stderr
+  (tmp_path / "empty").mkdir()
+  r = _script("train_eagle3.py", f"--data_dir={tmp_path / 'empty'}", f"--workdir={tmp_path / 'w'}",
+              f"--out_dir={tmp_path / 'o'}")
+  assert r.returncode == 1 and "no .py files" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_ppl_script(tmp_path):
+  r = _script("eval_ppl.py", "--max_files=2", "--batch_size=2", "--seq_len=128")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "bits/byte" in r.stdout and "unigram byte model" in r.stdout
+  (tmp_path / "empty").mkdir()
+  r = _script("eval_ppl.py", f"--data_dir={tmp_path / 'empty'}")
+  assert r.returncode == 1 and "no .py files" in r.stderr and "Traceback" not in r.stderr
