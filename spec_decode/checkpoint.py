@@ -159,19 +159,8 @@ def is_native_draft(path: str) -> bool:
 
 
 def read_draft_meta(path: str) -> dict:
-  meta_path = os.path.join(path, META_FILE)
-  try:
-    with open(meta_path) as f:
-      meta = json.load(f)
-  except FileNotFoundError:
-    raise CheckpointError(f"{path} is not a maverick EAGLE-3 draft (no {META_FILE}); import an "
-                          "EAGLE-3 checkpoint with import_eagle3") from None
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{meta_path} is not valid JSON ({e})") from None
-  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-    got = meta.get("format") if isinstance(meta, dict) else None
-    raise CheckpointError(f"{meta_path}: format {got!r}, expected {FORMAT!r}")
-  return meta
+  return store.read_format_json(path, META_FILE, FORMAT, "a maverick EAGLE-3 draft",
+                                "import an EAGLE-3 checkpoint with import_eagle3")
 
 
 def save_draft(draft: Eagle3Draft, out_dir: str, *, overwrite: bool = False) -> str:

@@ -185,19 +185,25 @@ def is_orbax_checkpoint(path: str) -> bool:
   return os.path.isfile(os.path.join(path, META_FILE))
 
 
-def read_meta(path: str) -> dict:
-  meta_path = os.path.join(path, META_FILE)
+def read_format_json(path: str, meta_file: str, fmt: str, what: str, fix: str) -> dict:
+  """Reads the JSON that marks a directory as one of our formats, checking its format tag."""
+  meta_path = os.path.join(path, meta_file)
   try:
     with open(meta_path) as f:
       meta = json.load(f)
   except FileNotFoundError:
-    raise CheckpointError(f"{path} is not a maverick checkpoint (no {META_FILE}); convert a HF "
-                          "checkpoint with scripts/convert_hf.py") from None
-  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path} is not {what} (no {meta_file}); {fix}") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{meta_path} is not valid JSON ({e})") from None
-  if meta.get("format") != FORMAT:
-    raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+  got = meta.get("format") if isinstance(meta, dict) else None
+  if got != fmt:
+    raise CheckpointError(f"{meta_path}: format {got!r}, expected {fmt!r}")
   return meta
+
+
+def read_meta(path: str) -> dict:
+  return read_format_json(path, META_FILE, FORMAT, "a maverick checkpoint",
+                          "convert a HF checkpoint with scripts/convert_hf.py")
 
 
 def _assemble(cfg: config_lib.Config, arrays: Mapping[tuple, jax.Array],
