@@ -40,8 +40,13 @@ from maverick import sharding as sharding_lib
 from maverick.checkpoint import hf, store
 from maverick.checkpoint.hf import CheckpointError, SafetensorsCheckpoint
 from maverick.config import Config, ConfigError
-from spec_decode.draft import (DraftConfigError, Eagle3Config, Eagle3Draft, abstract_draft,
-                               default_aux_layers)
+from spec_decode.draft import (
+  DraftConfigError,
+  Eagle3Config,
+  Eagle3Draft,
+  abstract_draft,
+  default_aux_layers,
+)
 
 FORMAT = "maverick-eagle3/1"
 META_FILE = "eagle3.json"
@@ -104,22 +109,6 @@ def _rope_perm(head_dim: int) -> np.ndarray:
   return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
 
 
-class _AtomicDir(store._AtomicDir):
-  """store._AtomicDir (tmp sibling, rename on success) with its own notion of what an
-  overwritable previous output is: `is_ours(path)` or an empty directory, never anything else."""
-
-  def __init__(self, out_dir: str, overwrite: bool, is_ours: Callable[[str], bool], what: str):
-    self.out_dir = os.path.abspath(out_dir)
-    if os.path.lexists(self.out_dir):
-      if not overwrite:
-        raise FileExistsError(f"{self.out_dir} already exists; choose another output directory "
-                              "or pass overwrite=True")
-      if not (is_ours(self.out_dir)
-              or (os.path.isdir(self.out_dir) and not os.listdir(self.out_dir))):
-        raise FileExistsError(f"{self.out_dir} exists and is not {what}; refusing to overwrite it")
-    self.tmp = f"{self.out_dir}.tmp-{os.getpid()}"
-
-
 def _write_json(path: str, obj: Mapping[str, Any]):
   with open(path, "w") as f:
     json.dump(obj, f, indent=1)
@@ -168,7 +157,7 @@ def save_draft(draft: Eagle3Draft, out_dir: str, *, overwrite: bool = False) -> 
   cfg = draft.config
   flat = _flat_state(draft)
   check_d2t(np.asarray(flat[("d2t",)]), cfg.target_vocab_size)  # never ship a broken map
-  with _AtomicDir(out_dir, overwrite, is_native_draft, "a maverick EAGLE-3 draft") as tmp:
+  with store.AtomicDir(out_dir, overwrite, is_native_draft, "a maverick EAGLE-3 draft") as tmp:
     # Closed before the rename (also on failure): no orbax thread may still write into `tmp`.
     ckptr = ocp.StandardCheckpointer()
     try:
@@ -620,7 +609,7 @@ def export_eagle3(draft: Eagle3Draft, out_dir: str, *, model_type: str = "llama"
   if model_type == "llama4_text":
     config["intermediate_size"] = lc.intermediate_size
     config["intermediate_size_mlp"] = lc.intermediate_size_mlp
-  with _AtomicDir(out_dir, overwrite, _is_eagle3_export, "an EAGLE-3 export") as tmp:
+  with store.AtomicDir(out_dir, overwrite, _is_eagle3_export, "an EAGLE-3 export") as tmp:
     _write_safetensors(os.path.join(tmp, hf.SINGLE_FILE), tensors)
     _write_json(os.path.join(tmp, HF_CONFIG), config)
   return os.path.abspath(out_dir)

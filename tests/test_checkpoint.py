@@ -19,13 +19,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from param_utils import assert_same_params, flat_params
 from safetensors.numpy import load_file, save_file
 
 from maverick import config as config_lib
 from maverick import model as model_lib
-from maverick.checkpoint import (CheckpointError, convert_hf_to_orbax, hf, load_hf, load_orbax,
-                                 save_orbax)
-from maverick.checkpoint import store
+from maverick.checkpoint import (
+  CheckpointError,
+  convert_hf_to_orbax,
+  hf,
+  load_hf,
+  load_orbax,
+  save_orbax,
+  store,
+)
 from maverick.config import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -36,18 +43,6 @@ ATOL = 1e-4  # acceptance tolerance vs. the HF float32 logits (observed ~6e-6)
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
-def _flat(model) -> dict:
-  _, state = nnx.split(model)
-  return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
-
-
-def _assert_same_params(a, b):
-  fa, fb = _flat(a), _flat(b)
-  assert fa.keys() == fb.keys()
-  for p in fa:
-    assert fa[p].dtype == fb[p].dtype and fa[p].shape == fb[p].shape, p
-    np.testing.assert_array_equal(fa[p].astype(np.float32), fb[p].astype(np.float32),
-                                  err_msg=str(p))
 
 
 def _logits(model, inputs) -> np.ndarray:
@@ -248,7 +243,7 @@ def test_converted_checkpoint_matches_hf_logits(converted_model, hf_fixture):
 
 
 def test_converted_params_equal_load_hf(converted_model, fixture_model):
-  _assert_same_params(converted_model, fixture_model)
+  assert_same_params(converted_model, fixture_model)
 
 
 def test_converted_directory(converted, hf_fixture_dir):
@@ -301,7 +296,7 @@ def test_sharded_multimodal_checkpoint(tmp_path, hf_fixture_dir, fixture_tensors
   out = tmp_path / "out"
   convert_hf_to_orbax(str(src), str(out), progress=False)
   model = load_orbax(str(out), dtype="float32")
-  _assert_same_params(model, converted_model)
+  assert_same_params(model, converted_model)
   np.testing.assert_allclose(_logits(model, hf_fixture["inputs"]), hf_fixture["logits"],
                              rtol=0, atol=ATOL)
 
@@ -316,7 +311,7 @@ def test_half_precision_checkpoint(tmp_path, hf_fixture_dir, fixture_tensors, fi
   convert_hf_to_orbax(str(src), str(out), progress=False)  # dtype from config.json
   model = load_orbax(str(out))
   assert model.config.dtype == dtype
-  got, ref = _flat(model), _flat(fixture_model)
+  got, ref = flat_params(model), flat_params(fixture_model)
   assert got.keys() == ref.keys()
   for p in ref:  # layout changes only: exactly the rounded fixture values
     assert got[p].dtype == np_dtype, p
@@ -324,7 +319,7 @@ def test_half_precision_checkpoint(tmp_path, hf_fixture_dir, fixture_tensors, fi
                                   ref[p].astype(np_dtype).astype(np.float32), err_msg=str(p))
   # Explicit --dtype float32 from a half-precision source.
   up = load_hf(str(src), dtype="float32")
-  for p, v in _flat(up).items():
+  for p, v in flat_params(up).items():
     assert v.dtype == np.float32
     np.testing.assert_array_equal(v, ref[p].astype(np_dtype).astype(np.float32))
 
@@ -517,13 +512,13 @@ def test_existing_output_dir(tmp_path, hf_fixture_dir, converted):
 def test_save_orbax_round_trip(tmp_path):
   cfg = config_lib.tiny_top2_tied()
   model = model_lib.init_model(cfg, seed=0)
-  flat = _flat(model)
+  flat = flat_params(model)
   assert all(np.any(v != 0) for v in flat.values())
   out = tmp_path / "ckpt"
   save_orbax(model, str(out))
   back = load_orbax(str(out))
   assert back.config == cfg
-  _assert_same_params(back, model)
+  assert_same_params(back, model)
   with pytest.raises(FileExistsError):
     save_orbax(model, str(out))
 
@@ -536,7 +531,7 @@ def test_load_orbax_with_mesh(converted, converted_model):
     sharding = var.get_value().sharding
     assert isinstance(sharding, jax.sharding.NamedSharding), path
     assert sharding.mesh == mesh, path
-  _assert_same_params(model, converted_model)
+  assert_same_params(model, converted_model)
 
 
 def test_load_orbax_sharded_restore(converted, converted_model):
@@ -549,7 +544,7 @@ def test_load_orbax_sharded_restore(converted, converted_model):
   assert len(gate.addressable_shards) == 2
   assert gate.addressable_shards[0].data.shape == (4, 64, 48)
   assert model.embed[...].sharding.spec == jax.sharding.PartitionSpec("model", None)
-  _assert_same_params(model, converted_model)
+  assert_same_params(model, converted_model)
 
 
 def test_load_orbax_not_a_checkpoint(tmp_path):
@@ -580,7 +575,7 @@ def test_cli_converts(tmp_path, hf_fixture_dir, converted_model):
   r = _cli(f"--hf_dir={hf_fixture_dir}", f"--out_dir={out}", "--dtype=float32")
   assert r.returncode == 0, r.stderr
   assert "Traceback" not in r.stderr
-  _assert_same_params(load_orbax(str(out)), converted_model)
+  assert_same_params(load_orbax(str(out)), converted_model)
 
 
 def test_cli_bad_hf_dir(tmp_path):

@@ -12,7 +12,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from param_utils import assert_same_params, flat_params
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -61,17 +61,6 @@ def _run(draft, tokens, feats, embed) -> np.ndarray:
   return np.asarray(out.logits)
 
 
-def _flat(draft) -> dict:
-  _, state = nnx.split(draft)
-  return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
-
-
-def _assert_same_params(a, b):
-  fa, fb = _flat(a), _flat(b)
-  assert fa.keys() == fb.keys()
-  for p in fa:
-    assert fa[p].dtype == fb[p].dtype and fa[p].shape == fb[p].shape, p
-    np.testing.assert_array_equal(fa[p], fb[p], err_msg=str(p))
 
 
 def _no_output(out: pathlib.Path):
@@ -166,7 +155,7 @@ def test_native_round_trip(target, reduced, tmp_path):
 
   loaded = ckpt_lib.load_draft(str(out), target_config=target)
   assert loaded.config == reduced.config
-  _assert_same_params(loaded, reduced)
+  assert_same_params(loaded, reduced)
   args = _inputs(target)
   np.testing.assert_array_equal(_run(loaded, *args), _run(reduced, *args))
 
@@ -178,7 +167,7 @@ def test_native_round_trip(target, reduced, tmp_path):
   with pytest.raises(FileExistsError, match="already exists"):
     ckpt_lib.save_draft(reduced, str(out))
   ckpt_lib.save_draft(_make_draft(target, VD, seed=4), str(out), overwrite=True)
-  assert not np.array_equal(_flat(ckpt_lib.load_draft(str(out)))[("fc",)], _flat(reduced)[("fc",)])
+  assert not np.array_equal(flat_params(ckpt_lib.load_draft(str(out)))[("fc",)], flat_params(reduced)[("fc",)])
   (tmp_path / "other").mkdir()
   (tmp_path / "other" / "x.txt").write_text("keep")
   with pytest.raises(FileExistsError, match="not a maverick EAGLE-3 draft"):
@@ -227,7 +216,7 @@ def test_export_import_round_trip(target, tmp_path, vd, model_type):
     assert w["t2d"].sum() == vd and w["t2d"][ids].all()
 
   imported = ckpt_lib.import_eagle3(str(out), target)
-  _assert_same_params(imported, draft)
+  assert_same_params(imported, draft)
   assert imported.config.layer.intermediate_size_mlp == target.intermediate_size_mlp
   assert imported.config.layer.rope_scaling == target.rope_scaling
   args = _inputs(target)
@@ -241,7 +230,7 @@ def test_export_import_bfloat16(target, tmp_path):
     assert "lm_head.weight" in f.keys() and f.metadata() == {"format": "pt"}
   assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
   imported = ckpt_lib.import_eagle3(str(out), target)  # dtype from torch_dtype
-  _assert_same_params(imported, draft)
+  assert_same_params(imported, draft)
   as_f32 = ckpt_lib.import_eagle3(str(out), target, dtype="float32")
   assert as_f32.fc.get_value().dtype == jnp.float32
 
@@ -259,7 +248,7 @@ def test_import_layers0_names_and_shards(reduced, target, copy_of):
   (d / "model.safetensors.index.json").write_text(json.dumps(
       {"weight_map": {k: f for f, keys in shards.items() for k in keys}}))
   imported = ckpt_lib.import_eagle3(str(d), target)
-  _assert_same_params(imported, reduced)
+  assert_same_params(imported, reduced)
 
 
 def test_import_matches_hf_reference(tmp_path):

@@ -72,20 +72,23 @@ def _param_paths(cfg: config_lib.Config) -> dict[tuple, jax.ShapeDtypeStruct]:
   return {p: v.get_value() for p, v in nnx.to_flat_state(abstract)}
 
 
-class _AtomicDir:
-  """Writes into a temporary sibling directory, renamed into place only on success."""
+class AtomicDir:
+  """Writes into a temporary sibling directory, renamed into place only on success.
 
-  def __init__(self, out_dir: str, overwrite: bool):
+  An existing output is replaced only with `overwrite` and only when `is_ours(path)` says it is a
+  previous output of the same kind (or it is an empty directory): never an arbitrary directory."""
+
+  def __init__(self, out_dir: str, overwrite: bool, is_ours=None,
+               what: str = f"a maverick checkpoint (no {META_FILE})"):
+    is_ours = is_ours or is_orbax_checkpoint
     self.out_dir = os.path.abspath(out_dir)
     if os.path.lexists(self.out_dir):
       if not overwrite:
         raise FileExistsError(f"{self.out_dir} already exists; choose another output directory "
                               "or pass overwrite=True (--overwrite)")
-      # Overwrite replaces a previous checkpoint only: never delete an arbitrary directory.
-      if not (is_orbax_checkpoint(self.out_dir)
+      if not (is_ours(self.out_dir)
               or (os.path.isdir(self.out_dir) and not os.listdir(self.out_dir))):
-        raise FileExistsError(f"{self.out_dir} exists and is not a maverick checkpoint (no "
-                              f"{META_FILE}); refusing to overwrite it")
+        raise FileExistsError(f"{self.out_dir} exists and is not {what}; refusing to overwrite it")
     self.tmp = f"{self.out_dir}.tmp-{os.getpid()}"
 
   def __enter__(self):
@@ -116,7 +119,7 @@ def _write(out_dir: str, cfg: config_lib.Config,
            parts: Iterable[tuple[str, dict[tuple[str, ...], object]]], *, overwrite: bool,
            extra_files: Iterable[str] = (), source: str | None = None) -> str:
   names = []
-  with _AtomicDir(out_dir, overwrite) as tmp:
+  with AtomicDir(out_dir, overwrite) as tmp:
     # Closed before the rename (also on failure): no orbax thread may still write into `tmp`.
     ckptr = ocp.StandardCheckpointer()
     try:
