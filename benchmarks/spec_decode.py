@@ -1,7 +1,7 @@
-"""Speculative decoding benchmark: K = 0 (plain) .. 5 on the shipped target + EAGLE-3 draft.
+"""Speculative decoding benchmark: K = 0 (plain) .. 5 and draft trees on the shipped target + draft.
 
-  python benchmarks/spec_decode.py                      # batch 1 and 4, K = 0..5, greedy
-  python benchmarks/spec_decode.py --batch_sizes 1 --ks 0,3 --max_new_tokens 64
+  python benchmarks/spec_decode.py                      # batch 1 and 4, K = 0..5 + trees, greedy
+  python benchmarks/spec_decode.py --batch_sizes 1 --ks 0,3 --trees 5x8x32 --max_new_tokens 64
 
 Prompts are the first --prompt_len tokens of held-out stdlib files (the validation split). For each
 (batch, K) the program is compiled first (compile time reported apart), then every prompt group is
@@ -29,6 +29,9 @@ _TARGET = flags.DEFINE_string("target", "tiny", "Target model (see scripts/gener
 _DRAFT = flags.DEFINE_string("draft", None, "Draft head (default: the target's embedded draft).")
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "4"], "Batch sizes.")
 _KS = flags.DEFINE_list("ks", ["0", "1", "2", "3", "4", "5"], "Draft lengths (0 = plain).")
+_TREES = flags.DEFINE_list(
+    "trees", ["3x1x3", "4x2x8", "4x4x12", "5x4x16", "5x8x32", "6x8x48"],
+    "EAGLE-2 dynamic tree shapes DEPTHxTOPKxNODES (3x1x3 is the K=3 chain drafted as a tree).")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens (from held-out files).")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Generated tokens per prompt.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "Prompts per configuration.")
@@ -146,16 +149,19 @@ def main(argv):
   draft = spec_decode.load_draft(_DRAFT.value or _TARGET.value, loaded.model)
   batches = [int(b) for b in _BATCHES.value]
   ks = [int(k) for k in _KS.value]
+  trees = [spec_decode.TreeShape.parse(t) for t in _TREES.value]
   prompts = _prompts(loaded, _NUM_PROMPTS.value, _PROMPT_LEN.value)
   kw = dict(max_new_tokens=_NEW.value, temperature=_TEMPERATURE.value, stop_tokens=[])
   device = jax.devices()[0].device_kind.replace(" ", "_").lower()
   rows = []
-  bar = tqdm(total=len(batches) * len(ks), desc="configs")
+  bar = tqdm(total=len(batches) * (len(ks) + len(trees)), desc="configs")
   for B in batches:
     groups = [prompts[i:i + B] for i in range(0, len(prompts) - B + 1, B)]
-    for k in ks:
+    for k in ks + trees:
       if k == 0:
         fn = lambda g: generate(loaded.model, g, **kw)
+      elif isinstance(k, spec_decode.TreeShape):
+        fn = lambda g, t=k: spec_decode.generate(loaded.model, draft, g, tree=t, **kw)
       else:
         fn = lambda g, k=k: spec_decode.generate(loaded.model, draft, g, k=k, **kw)
       first = fn(groups[0])  # compiles
@@ -163,11 +169,13 @@ def main(argv):
       for _ in range(_REPEATS.value):
         tokens, seconds, outs = _run(fn, groups)
         times.append(seconds)
-      row = {"batch": B, "k": k, "tokens": tokens, "seconds": statistics.median(times),
+      row = {"batch": B, "k": k if isinstance(k, int) else None,
+             "tree": str(k) if isinstance(k, spec_decode.TreeShape) else None,
+             "tokens": tokens, "seconds": statistics.median(times),
              "compile_seconds": first.compile_seconds}
       row["tokens_per_second"] = tokens / row["seconds"]
       row["tokens_per_second_per_user"] = row["tokens_per_second"] / B
-      if k > 0:
+      if k != 0:
         rounds = sum(int(o.rounds.sum()) for o in outs)
         row["acceptance_length"] = sum(int(o.accepted.sum()) for o in outs) / rounds
         row["per_position_acceptance"] = (
@@ -210,12 +218,14 @@ def _markdown(res):
   lines = [f"Device: {res['device']} | target {res['target']} + EAGLE-3 draft | "
            f"{res['prompts']} held-out prompts x {res['max_new_tokens']} new tokens, "
            f"temperature {res['temperature']} | `{res['command'].strip()}`", "",
-           "| batch | K | tokens/s | tokens/s/user | speed-up vs K=0 | acceptance length | "
-           "per-position acceptance | compile s |", "|---|---|---|---|---|---|---|---|"]
+           "| batch | draft (K or tree DxKxN) | tokens/s | tokens/s/user | speed-up vs K=0 | "
+           "acceptance length | per-position (per-level) acceptance | compile s |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in res["rows"]:
     al = f"{r['acceptance_length']:.2f}" if "acceptance_length" in r else "-"
     pp = " ".join(f"{x:.2f}" for x in r.get("per_position_acceptance", [])) or "-"
-    lines.append(f"| {r['batch']} | {r['k']} | {r['tokens_per_second']:.1f} | "
+    shape = f"tree {r['tree']}" if r.get("tree") else r["k"]
+    lines.append(f"| {r['batch']} | {shape} | {r['tokens_per_second']:.1f} | "
                  f"{r['tokens_per_second_per_user']:.1f} | {r['speedup_vs_k0']:.2f}x | {al} | "
                  f"{pp} | {r['compile_seconds']:.1f} |")
   b = res["round_breakdown_k3_batch1"]

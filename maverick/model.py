@@ -102,6 +102,38 @@ def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, chunk_size: int | None) 
   return mask
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TreeMask:
+  """Visibility of a block of cache slots holding a token TREE (speculative verification / tree
+  drafting): slots start[b] .. start[b]+R-1 hold tree nodes whose positions are not their slots.
+  Slots before `start` are the committed sequence (positional causal + chunk mask); slots after the
+  block are invisible; a query sees tree slot r iff visible[b, t, r] (its ancestors and itself)."""
+  start: jax.Array  # [B] first slot of the tree block
+  positions: jax.Array  # [B, R] absolute positions of the tree slots
+  visible: jax.Array  # [B, T, R] bool
+
+
+def cache_mask(q_pos: jax.Array, num_slots: int, chunk_size: int | None,
+               tree: TreeMask | None = None) -> jax.Array:
+  """[B, T, S] mask of queries at q_pos over a cache whose slot s holds position s, except for a
+  tree block (see TreeMask)."""
+  B = q_pos.shape[0]
+  slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (B, num_slots))
+  if tree is None:
+    return attention_mask(q_pos, slots, chunk_size)
+  R = tree.positions.shape[1]
+  rel = slots - tree.start[:, None]
+  in_tree = (rel >= 0) & (rel < R)
+  rel_c = jnp.clip(rel, 0, R - 1)
+  kv_pos = jnp.where(in_tree, jnp.take_along_axis(tree.positions, rel_c, axis=1), slots)
+  T = q_pos.shape[1]
+  tree_vis = jnp.take_along_axis(tree.visible, jnp.broadcast_to(rel_c[:, None, :], (B, T, num_slots)),
+                                 axis=2)
+  allowed = jnp.where(in_tree[:, None, :], tree_vis, (rel < 0)[:, None, :])
+  return attention_mask(q_pos, kv_pos, chunk_size) & allowed
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """GQA attention (XLA reference). q [B,T,H,Dh], k/v [B,S,K,Dh], mask [B,T,S] -> [B,T,H,Dh].
   Query head j uses kv head j // G (HF repeat_kv is repeat_interleave)."""
@@ -171,33 +203,33 @@ class Attention(nnx.Module):
 
   def __call__(self, x_btd, positions_bt, layer_cache=None, cache_lengths=None, *,
                attend_to_cache: bool = True, positions_from_zero: bool = False,
-               attention_fn=None):
+               attention_fn=None, tree: TreeMask | None = None):
     """Returns (output [B,T,D], (k_cache, v_cache) or None).
 
     With a cache, the new keys/values are written at slots cache_lengths[b] + t. `attend_to_cache=False`
     (prefill into an empty cache) attends among the new tokens only, avoiding a T x capacity score
     matrix. `positions_from_zero` declares positions == arange(T) in every row, which lets chunked
     layers compute block by block. `attention_fn(q, k, v) -> out` replaces the attention itself
-    (EAGLE-3 training-time test attends across unrolled steps)."""
+    (EAGLE-3 training-time test attends across unrolled steps). `tree`: the cache holds a token
+    tree (see TreeMask)."""
     q, k, v = self.project(x_btd, positions_bt)
     if attention_fn is not None:
       return self.output(attention_fn(q, k, v)), None
     new_cache = None
-    keys, values, kv_pos = k, v, positions_bt
     if layer_cache is not None:
       k_cache = kvc.write(layer_cache[0], k, cache_lengths)
       v_cache = kvc.write(layer_cache[1], v, cache_lengths)
       new_cache = (k_cache, v_cache)
       if attend_to_cache:
-        B, S = k_cache.shape[:2]
-        keys, values = k_cache, v_cache
-        kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        mask = cache_mask(positions_bt, k_cache.shape[1], self.chunk_size, tree)
+        return self.output(attention(q, k_cache, v_cache, mask)), new_cache
+    if tree is not None:
+      raise ValueError("a tree mask needs a KV cache to attend to")
     T = x_btd.shape[1]
-    if (positions_from_zero and self.chunk_size is not None and T > self.chunk_size
-        and keys is k):
+    if positions_from_zero and self.chunk_size is not None and T > self.chunk_size:
       out = chunked_self_attention(q, k, v, self.chunk_size)
     else:
-      out = attention(q, keys, values, attention_mask(positions_bt, kv_pos, self.chunk_size))
+      out = attention(q, k, v, attention_mask(positions_bt, positions_bt, self.chunk_size))
     return self.output(out), new_cache
 
   def project(self, x_btd, positions_bt):
@@ -278,21 +310,26 @@ class DecoderLayer(nnx.Module):
       self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size_mlp, dt, rngs)
 
   def __call__(self, x, positions, layer_cache=None, cache_lengths=None, *, attend_to_cache=True,
-               positions_from_zero=False, attn_input=None, attention_fn=None):
+               positions_from_zero=False, attn_input=None, attention_fn=None, tree=None):
     h = self.input_norm(x) if attn_input is None else attn_input
     a, layer_cache = self.attn(h, positions, layer_cache, cache_lengths,
                                attend_to_cache=attend_to_cache,
-                               positions_from_zero=positions_from_zero, attention_fn=attention_fn)
+                               positions_from_zero=positions_from_zero, attention_fn=attention_fn,
+                               tree=tree)
     x = x + a
     x = x + self.ffn(self.post_attn_norm(x))
     return x, layer_cache
 
 
-def token_positions(tokens_bt, positions_bt, cache, prefill: bool):
-  """Positions of new tokens: cache slots when there is a cache, else the given positions or
-  arange(T). Also whether they are known to be arange(T) in every row (chunked layers can then
-  compute block by block)."""
+def token_positions(tokens_bt, positions_bt, cache, prefill: bool, tree=None):
+  """Positions of new tokens: cache slots when there is a cache (the given positions for a token
+  tree), else the given positions or arange(T). Also whether they are known to be arange(T) in
+  every row (chunked layers can then compute block by block)."""
   B, T = tokens_bt.shape
+  if tree is not None:
+    if cache is None or positions_bt is None or prefill:
+      raise ValueError("a token tree needs a cache and explicit positions (not prefill)")
+    return positions_bt, False
   from_zero = prefill or (cache is None and positions_bt is None)
   if cache is not None:
     positions_bt = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -335,7 +372,7 @@ class Llama4(nnx.Module):
 
   def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
-               prefill: bool = False) -> ForwardOutput:
+               prefill: bool = False, tree: TreeMask | None = None) -> ForwardOutput:
     """One forward over T new tokens per row.
 
     Without a cache: positions default to arange(T). With a cache: the tokens go to slots
@@ -343,9 +380,11 @@ class Llama4(nnx.Module):
     declares the cache empty, so attention runs among the new tokens only.
     `capture_layers`: layer indices whose residual-stream outputs are returned (EAGLE-3 features),
     taken in the same pass. `logits_at` [B]: return logits only at these time indices.
+    `tree`: the new tokens form a token tree (speculative verification): they are written at slots
+    cache.lengths[b] + t but sit at `positions_bt` and see the cache through the TreeMask.
     """
     T = tokens_bt.shape[1]
-    positions_bt, from_zero = token_positions(tokens_bt, positions_bt, cache, prefill)
+    positions_bt, from_zero = token_positions(tokens_bt, positions_bt, cache, prefill, tree)
     capture = tuple(int(i) for i in capture_layers)
     L = len(self.layers)
     if any(not 0 <= i < L for i in capture):
@@ -358,7 +397,7 @@ class Llama4(nnx.Module):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i])
       lengths = None if cache is None else cache.lengths
       x, layer_cache = layer(x, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
-                             positions_from_zero=from_zero)
+                             positions_from_zero=from_zero, tree=tree)
       if layer_cache is not None:
         new_k.append(layer_cache[0])
         new_v.append(layer_cache[1])
@@ -389,8 +428,8 @@ def abstract_model(cfg: Config, moe_impl: str = "tiles") -> Llama4:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capture_layers", "prefill"))
 def apply(graphdef: nnx.GraphDef, state: nnx.State, tokens_bt, positions_bt=None, cache=None, *,
-          capture_layers: tuple[int, ...] = (), logits_at=None,
-          prefill: bool = False) -> ForwardOutput:
+          capture_layers: tuple[int, ...] = (), logits_at=None, prefill: bool = False,
+          tree: TreeMask | None = None) -> ForwardOutput:
   """The jitted pure forward over split state: `apply(*nnx.split(model), tokens, ...)`."""
   return nnx.merge(graphdef, state)(tokens_bt, positions_bt, cache, capture_layers=capture_layers,
-                                    logits_at=logits_at, prefill=prefill)
+                                    logits_at=logits_at, prefill=prefill, tree=tree)

@@ -47,6 +47,13 @@ _DRAFT = flags.DEFINE_string(
     "checkpoint directory (config.json + safetensors, e.g. nvidia/Llama-4-Maverick-17B-128E-Eagle3)."
     " Default: the embedded draft when --checkpoint is the embedded model, else none (plain "
     "decoding).")
+_TREE_DEPTH = flags.DEFINE_integer(
+    "tree_depth", None, "EAGLE-2 dynamic tree drafting instead of a chain (with --tree_topk and "
+    "--tree_nodes): levels of draft tokens per round. Replaces --spec_k; e.g. --tree_depth 5 "
+    "--tree_topk 8 --tree_nodes 32.")
+_TREE_TOPK = flags.DEFINE_integer("tree_topk", None, "Tree drafting: children per expanded node.")
+_TREE_NODES = flags.DEFINE_integer(
+    "tree_nodes", None, "Tree drafting: draft tokens verified per round (>= --tree_depth).")
 _CHAT = flags.DEFINE_bool("chat", False, "Wrap each prompt in the Llama 4 chat template (needs "
                           "the checkpoint's tokenizer.json with the header tokens).")
 
@@ -65,6 +72,16 @@ def _read_prompts() -> list[str]:
   if not prompts:
     raise ValueError(f"--batch_file {_BATCH_FILE.value} has no prompts (one per line)")
   return prompts
+
+
+def _tree_shape():
+  values = (_TREE_DEPTH.value, _TREE_TOPK.value, _TREE_NODES.value)
+  if all(v is None for v in values):
+    return None
+  if any(v is None for v in values):
+    raise ValueError("tree drafting needs all of --tree_depth, --tree_topk and --tree_nodes")
+  from spec_decode import TreeShape
+  return TreeShape(*values)
 
 
 def main(argv):
@@ -93,8 +110,9 @@ def main(argv):
       prompts = [tok.encode(t) for t in texts]
     if _SPEC_K.value < 0:
       raise ValueError(f"--spec_k must be >= 0 (0 = plain decoding), got {_SPEC_K.value}")
+    tree = _tree_shape()
     draft, note = None, ""
-    if _SPEC_K.value > 0:
+    if _SPEC_K.value > 0 or tree is not None:
       if _DRAFT.value:
         draft = spec_decode.load_draft(_DRAFT.value, loaded.model)
       elif _CHECKPOINT.value in spec_decode.EMBEDDED_DRAFTS:
@@ -107,7 +125,7 @@ def main(argv):
     if draft is None:
       out = generate(loaded.model, prompts, **kw)
     else:
-      out = spec_decode.generate(loaded.model, draft, prompts, k=_SPEC_K.value, **kw)
+      out = spec_decode.generate(loaded.model, draft, prompts, k=_SPEC_K.value, tree=tree, **kw)
   except (ValueError, FileNotFoundError, CheckpointError, ConfigError, TokenizerError,
           DraftConfigError, NotImplementedError) as e:
     return cli.fail("generate", e)
@@ -124,7 +142,8 @@ def main(argv):
         f"({out.tokens_per_second / len(texts):.1f} per sequence)")
   if draft is not None:
     rates = " ".join(f"{r:.2f}" for r in out.acceptance_rates)
-    print(f"speculative K={_SPEC_K.value}: acceptance length {out.acceptance_length:.2f} tokens per "
+    how = f"tree {tree}" if tree is not None else f"K={_SPEC_K.value}"
+    print(f"speculative {how}: acceptance length {out.acceptance_length:.2f} tokens per "
           f"verify step; per-position acceptance {rates}")
   elif note:
     print(note)

@@ -1,10 +1,11 @@
-"""EAGLE-3 speculative decoding on device: draft head, chain drafting, lossless verification.
+"""EAGLE-3 speculative decoding on device: draft head, chain and tree drafting, lossless verification.
 
     import maverick, spec_decode
     target = maverick.load()                                   # the embedded model
     draft = spec_decode.load_draft("tiny", target.model)       # its embedded draft head
     out = spec_decode.generate(target.model, draft, [target.tokenizer.encode("def f(x):")], k=3)
     out.tokens, out.acceptance_length, out.acceptance_rates
+    tree = spec_decode.generate(target.model, draft, prompts, tree=spec_decode.TreeShape(5, 8, 32))
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from spec_decode.checkpoint import (
     export_eagle3, import_eagle3, is_native_draft, load_draft as load_native_draft, save_draft)
 from spec_decode.draft import DraftConfigError, Eagle3Config, Eagle3Draft, init_draft
 from spec_decode.speculative import SpecGeneration, generate
+from spec_decode.tree import TreeShape
 
 _ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "maverick",
                        "assets")
@@ -44,4 +46,4 @@ def load_draft(source: str, target=None, *, dtype: str | None = None) -> Eagle3D
 
 
 __all__ = ["DraftConfigError", "EMBEDDED_DRAFTS", "Eagle3Config", "Eagle3Draft", "SpecGeneration",
-           "export_eagle3", "generate", "import_eagle3", "init_draft", "load_draft", "save_draft"]
+           "TreeShape", "export_eagle3", "generate", "import_eagle3", "init_draft", "load_draft", "save_draft"]

@@ -140,11 +140,13 @@ class Eagle3Draft(nnx.Module):
     return jnp.einsum("btx,xd->btd", features_btx.astype(self.fc.dtype), self.fc[...])
 
   def __call__(self, tokens_bt, hidden_btd, embed_vd, positions_bt=None, cache=None, *,
-               prefill: bool = False, logits_at=None, attention_fn=None) -> DraftOutput:
+               prefill: bool = False, logits_at=None, attention_fn=None,
+               tree=None) -> DraftOutput:
     """One draft forward. `hidden_btd` is fc(features) on an extend step or the previous step's
-    output on a chain step; `tokens_bt` are the tokens one position AHEAD of the hidden states."""
+    output on a chain step; `tokens_bt` are the tokens one position AHEAD of the hidden states.
+    `tree` (with explicit positions): the new tokens are tree-drafting nodes (model.TreeMask)."""
     T = tokens_bt.shape[1]
-    positions_bt, from_zero = token_positions(tokens_bt, positions_bt, cache, prefill)
+    positions_bt, from_zero = token_positions(tokens_bt, positions_bt, cache, prefill, tree)
     g = hidden_btd.astype(self.fc.dtype)
     e = jnp.take(embed_vd, tokens_bt, axis=0).astype(g.dtype)
     attn_in = jnp.concatenate([self.embed_norm(e), self.hidden_norm(g)], axis=-1)
@@ -152,7 +154,7 @@ class Eagle3Draft(nnx.Module):
     lengths = None if cache is None else cache.lengths
     out, layer_cache = self.layer(g, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
                                   positions_from_zero=from_zero, attn_input=attn_in,
-                                  attention_fn=attention_fn)
+                                  attention_fn=attention_fn, tree=tree)
     new_cache = None if cache is None else kvc.KVCache(
         k=(layer_cache[0],), v=(layer_cache[1],), lengths=cache.lengths + T)
     if logits_at is not None:

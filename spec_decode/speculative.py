@@ -3,8 +3,11 @@
 A round (K static): verify [x0, c_1..c_K] with one target forward over K+1 tokens (capturing the aux
 features), accept on device, commit by moving per-row length pointers (rejected KV is simply
 overwritten next round), extend the draft over the verified positions from the target features, and
-draft the next K candidates. Rows finish on stop tokens / max tokens independently; all shapes are
-fixed, so finished rows keep computing but commit nothing.
+draft the next K candidates. With a TreeShape the candidates are an EAGLE-2 tree instead
+(spec_decode/tree.py): the target verifies every node in the same single forward under a tree mask,
+and the accepted path's KV entries are moved into place before the draft extends over it. Rows
+finish on stop tokens / max tokens independently; all shapes are fixed, so finished rows keep
+computing but commit nothing.
 
 Shares the KV cache, sampling and stopping code with `maverick.generate`.
 """
@@ -24,6 +27,9 @@ from maverick import generate as plain
 from maverick import sampling
 from maverick.model import Llama4
 from spec_decode.draft import Eagle3Draft
+from maverick.model import TreeMask
+from spec_decode.tree import (TreeShape, commit_path, draft_tree, gather_path, verify_layout,
+                              verify_tree)
 from spec_decode.verify import Candidates, chain_parents, verify_chain
 
 
@@ -57,7 +63,7 @@ def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, pa
 
 
 def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Request, *, k: int,
-                   steps: int, capacity: int, pad_id: int):
+                   steps: int, capacity: int, pad_id: int, tree: TreeShape | None = None):
   target: Llama4 = nnx.merge(tgt_graphdef, tgt_state)
   draft: Eagle3Draft = nnx.merge(dr_graphdef, dr_state)
   aux = draft.config.aux_layer_ids
@@ -67,12 +73,35 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
   embed = target.embed[...]
   key = jax.random.key(req.seed)
   stop = lambda out, new, n: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens, pad_id)
+  width = k if tree is None else tree.depth  # draft tokens on one accepted path
+
+  def propose(logits, hidden, dcache, committed, key):
+    if tree is None:
+      return draft_chain(draft, logits, hidden, dcache, committed, embed, params, key, k=k,
+                         vocab=V)
+    return draft_tree(draft, logits, hidden, dcache, committed, embed, tree)
+
+  def verify(x0, cand, cache, L, key):
+    """One target forward over [x0, candidates] -> (cache with the accepted path at L.., the
+    path's features [B, width+1, 3D], its draft tokens [B, width], accepted n, next token)."""
+    tokens = jnp.concatenate([x0[:, None], cand.tokens], axis=1)
+    if tree is None:
+      out = target(tokens, cache=cache.with_lengths(L), capture_layers=aux)
+      n, nxt = verify_chain(out.logits, cand, params, key)
+      return out.cache, _features(out.hidden), cand.tokens, n, nxt
+    parents, depths, ancestors = verify_layout(cand, tree.depth)
+    positions = L[:, None] + depths
+    out = target(tokens, positions, cache.with_lengths(L), capture_layers=aux,
+                 tree=TreeMask(start=L, positions=positions, visible=ancestors))
+    n, nxt, path = verify_tree(out.logits, tokens, parents, depths, params, key, tree.depth)
+    return (commit_path(out.cache, L, path), gather_path(_features(out.hidden), path),
+            gather_path(tokens, path)[:, 1:], n, nxt)
 
   # Prefill: target over the prompts (features at every position), first token, draft extend.
   out, cache = plain.prefill(target, req, capacity, capture_layers=aux)
   key, k_first, k_draft = jax.random.split(key, 3)
   x0 = sampling.sample(out.logits, k_first, params)
-  result = stop(sampling.init_output(B, steps, k + 1, pad_id), x0[:, None],
+  result = stop(sampling.init_output(B, steps, width + 1, pad_id), x0[:, None],
                 jnp.ones((B,), jnp.int32))
   L = req.prompt_lengths
   # Draft position p pairs the target feature at p with the token at p+1.
@@ -80,10 +109,9 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
   shifted = jnp.where(jnp.arange(Tp)[None, :] == (L - 1)[:, None], x0[:, None], shifted)
   dout = draft(shifted, draft.fuse(_features(out.hidden)), embed,
                cache=draft.init_cache(B, capacity), prefill=True, logits_at=L - 1)
-  cand, dcache = draft_chain(draft, dout.logits, dout.hidden, dout.cache, L, embed, params,
-                             k_draft, k=k, vocab=V)
+  cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L, k_draft)
   stats = SpecStats(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
-                    jnp.zeros((B, k), jnp.int32))
+                    jnp.zeros((B, width), jnp.int32))
 
   def cond(carry):
     step, result = carry[0], carry[3]
@@ -93,24 +121,19 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
     step, x0, L, result, cand, cache, dcache, stats, key = carry
     key, k_verify, k_draft = jax.random.split(key, 3)
     active = ~result.done
-    # Verify [x0, c_1..c_K] at positions L..L+K in one target forward.
-    tokens = jnp.concatenate([x0[:, None], cand.tokens], axis=1)
-    out = target(tokens, cache=cache.with_lengths(L), capture_layers=aux)
-    n, nxt = verify_chain(out.logits, cand, params, k_verify)
-    emitted = jnp.concatenate([cand.tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
-    emitted = jnp.where(jnp.arange(k + 1)[None, :] == n[:, None], nxt[:, None], emitted)
+    cache, features, path_tokens, n, nxt = verify(x0, cand, cache, L, k_verify)
+    emitted = jnp.concatenate([path_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(jnp.arange(width + 1)[None, :] == n[:, None], nxt[:, None], emitted)
     result = stop(result, emitted, n + 1)
     stats = SpecStats(
         stats.rounds + active, stats.accepted + jnp.where(active, n + 1, 0),
-        stats.accepted_at + (active[:, None] & (jnp.arange(k)[None, :] < n[:, None])))
+        stats.accepted_at + (active[:, None] & (jnp.arange(width)[None, :] < n[:, None])))
     L_new = jnp.where(active, L + n + 1, L)
     x0 = jnp.where(active, nxt, x0)
-    # Draft extend over the verified positions (token at p+1 = emitted[p - L]); keep row n.
-    dout = draft(emitted, draft.fuse(_features(out.hidden)), embed, cache=dcache.with_lengths(L),
-                 logits_at=n)
-    cand, dcache = draft_chain(draft, dout.logits, dout.hidden, dout.cache, L_new, embed, params,
-                               k_draft, k=k, vocab=V)
-    return step + 1, x0, L_new, result, cand, out.cache, dcache, stats, key
+    # Draft extend over the verified path (token at p+1 = emitted[p - L]); keep row n.
+    dout = draft(emitted, draft.fuse(features), embed, cache=dcache.with_lengths(L), logits_at=n)
+    cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L_new, k_draft)
+    return step + 1, x0, L_new, result, cand, cache, dcache, stats, key
 
   carry = (1, x0, L, result, cand, cache, dcache, stats, key)
   carry = jax.lax.while_loop(cond, body, carry)
@@ -120,22 +143,23 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
 
 spec_generate_jit = jax.jit(
     _spec_generate, static_argnames=("tgt_graphdef", "dr_graphdef", "k", "steps", "capacity",
-                                     "pad_id"))
+                                     "pad_id", "tree"))
 
 _EXECUTABLES: dict = {}
 
 
 def compiled_spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, *, k, steps,
-                           capacity, pad_id):
+                           capacity, pad_id, tree=None):
   """(compiled executable, seconds compiling now: 0.0 when cached)."""
-  leaves, tree = jax.tree.flatten((tgt_state, dr_state, req))
-  key = (tgt_graphdef, dr_graphdef, k, steps, capacity, pad_id, tree,
+  leaves, treedef = jax.tree.flatten((tgt_state, dr_state, req))
+  key = (tgt_graphdef, dr_graphdef, k, steps, capacity, pad_id, tree, treedef,
          tuple((x.shape, x.dtype, x.sharding) for x in leaves))
   if key in _EXECUTABLES:
     return _EXECUTABLES[key], 0.0
   start = time.perf_counter()
   exe = spec_generate_jit.lower(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, k=k,
-                                steps=steps, capacity=capacity, pad_id=pad_id).compile()
+                                steps=steps, capacity=capacity, pad_id=pad_id,
+                                tree=tree).compile()
   _EXECUTABLES[key] = exe
   return exe, time.perf_counter() - start
 
@@ -144,7 +168,7 @@ def compiled_spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, 
 class SpecGeneration(plain.Generation):
   rounds: np.ndarray = None  # [B]
   accepted: np.ndarray = None  # [B]
-  accepted_at: np.ndarray = None  # [B, K]
+  accepted_at: np.ndarray = None  # [B, K] (chain) or [B, depth] (tree)
 
   @property
   def acceptance_length(self) -> float:
@@ -153,30 +177,42 @@ class SpecGeneration(plain.Generation):
 
   @property
   def acceptance_rates(self) -> np.ndarray:
-    """Per draft position j: fraction of rounds whose first j+1 drafts were all accepted."""
+    """Per draft position (tree level) j: fraction of rounds that accepted at least j+1 drafts."""
     return self.accepted_at.sum(0) / max(int(self.rounds.sum()), 1)
 
 
 def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]], *,
-             k: int = 3, max_new_tokens=64, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, stop_tokens=None,
-             max_cache_len: int | None = None, pad_id: int | None = None) -> SpecGeneration:
+             k: int = 3, tree: TreeShape | str | None = None, max_new_tokens=64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_tokens=None, max_cache_len: int | None = None,
+             pad_id: int | None = None) -> SpecGeneration:
   """Speculative generation with an EAGLE-3 draft: same arguments and output as
   `maverick.generate.generate`, plus acceptance statistics. Lossless: greedy output equals plain
-  greedy output, and sampled output has the target's distribution."""
-  if not (isinstance(k, (int, np.integer)) and k >= 1):
+  greedy output, and sampled output has the target's distribution.
+
+  k: chain drafting, k draft tokens per round. tree: EAGLE-2 dynamic tree drafting instead
+  (`TreeShape(depth, topk, nodes)` or "DEPTHxTOPKxNODES"); k is then ignored."""
+  if tree is not None:
+    tree = TreeShape.parse(tree) if isinstance(tree, str) else tree
+    if not isinstance(tree, TreeShape):
+      raise TypeError(f"tree must be a TreeShape or 'DEPTHxTOPKxNODES', got {tree!r}")
+    tree.check_draft_vocab(draft.config.draft_vocab_size)
+    k, slack = None, tree.cache_slack
+  elif not (isinstance(k, (int, np.integer)) and k >= 1):
     raise ValueError(f"speculative decoding needs k >= 1 draft tokens per round, got k={k}; use "
                      "maverick.generate.generate (or --spec_k 0) for plain decoding")
+  else:
+    k, slack = int(k), int(k) + 1  # a verify window may run K+1 positions past the last token
   draft.config.check_target(target.config)
   req, steps, capacity = plain.prepare(
       target.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
       top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
-  capacity += k + 1  # a verify window may run K+1 positions past the last committed token
+  capacity += slack
   tgt_graphdef, tgt_state = nnx.split(target)
   dr_graphdef, dr_state = nnx.split(draft)
   exe, compile_s = compiled_spec_generate(
       tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, k=k, steps=steps, capacity=capacity,
-      pad_id=plain.resolve_pad_id(target.config, pad_id))
+      pad_id=plain.resolve_pad_id(target.config, pad_id), tree=tree)
   start = time.perf_counter()
   tokens, num, stats = exe(tgt_state, dr_state, req)
   tokens, num = np.asarray(tokens), np.asarray(num)

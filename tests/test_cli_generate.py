@@ -63,11 +63,14 @@ def test_cli_default_speculative_equals_plain():
   with speculation off."""
   args = ["--prompt=import os\n\n\ndef read_lines(path):", "--max_new_tokens=40"]
   spec, plain = _run(*args), _run(*args, "--spec_k=0")
-  assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+  tree = _run(*args, "--tree_depth=4", "--tree_topk=4", "--tree_nodes=12")
+  for r in (spec, plain, tree):
+    assert r.returncode == 0, r.stderr
   text = lambda r: [l for l in r.stdout.splitlines() if "tokens/s" not in l
                     and not l.startswith("speculative")]
-  assert text(spec) == text(plain)
+  assert text(spec) == text(plain) == text(tree)
   assert "speculative K=3: acceptance length" in spec.stdout
+  assert "speculative tree 4x4x12: acceptance length" in tree.stdout
   assert "speculative" not in plain.stdout
 
 
@@ -84,6 +87,9 @@ def test_cli_random_model():
     (["--checkpoint=/no/such/dir", "--prompt=x"], ["/no/such/dir", "not a directory"]),
     (["--prompt=x", "--spec_k=-1"], ["--spec_k must be >= 0"]),
     (["--prompt=x", "--draft=/no/such/draft"], ["/no/such/draft", "not a directory"]),
+    (["--prompt=x", "--tree_depth=3"], ["needs all of --tree_depth, --tree_topk and --tree_nodes"]),
+    (["--prompt=x", "--tree_depth=5", "--tree_topk=4", "--tree_nodes=3"],
+     ["smaller than tree depth", "--tree_nodes >= --tree_depth"]),
     (["--checkpoint=random:tiny", "--prompt=abcdefghij", "--max_cache_len=4"],
      ["KV cache holds 4"]),
 ])

@@ -26,18 +26,19 @@ def _prompts(n, seed, vocab=512, max_len=16):
   return [rng.integers(0, vocab, rng.integers(1, max_len + 1)).tolist() for _ in range(n)]
 
 
+def assert_greedy_lossless(target, draft, prompts, **draft_shape):
+  """Batches of 4, then the last 4 prompts one by one: spec output == plain greedy output."""
+  kw = dict(max_new_tokens=20, stop_tokens=[])
+  groups = [prompts[i:i + 4] for i in range(0, len(prompts) - 4, 4)] + [[p] for p in prompts[-4:]]
+  for batch in groups:
+    assert spec.generate(target, draft, batch, **draft_shape, **kw).tokens == \
+        plain.generate(target, batch, **kw).tokens
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_greedy_lossless_with_random_draft(fixture_model, random_draft, k):
   """>= 50 prompts of varied length, batch 4 and batch 1: spec output == plain greedy output."""
-  prompts = _prompts(52, seed=k)
-  kw = dict(max_new_tokens=20, stop_tokens=[])
-  for i in range(0, 48, 4):
-    batch = prompts[i:i + 4]
-    assert spec.generate(fixture_model, random_draft, batch, k=k, **kw).tokens == \
-        plain.generate(fixture_model, batch, **kw).tokens
-  for p in prompts[48:]:
-    assert spec.generate(fixture_model, random_draft, [p], k=k, **kw).tokens == \
-        plain.generate(fixture_model, [p], **kw).tokens
+  assert_greedy_lossless(fixture_model, random_draft, _prompts(52, seed=k), k=k)
 
 
 def test_greedy_lossless_with_stop_tokens_and_limits(fixture_model, random_draft, hf_fixture):
@@ -49,14 +50,14 @@ def test_greedy_lossless_with_stop_tokens_and_limits(fixture_model, random_draft
   assert out.tokens[0] == greedy[:6] and out.tokens[2] == greedy[:4] and out.tokens[3] == greedy[:9]
 
 
-def bigram_target_and_oracle_draft(seed=0):
+def bigram_target_and_oracle_draft(seed=0, cfg=None):
   """A target whose every layer adds zero (logits depend on the current token only) and a draft
   built by hand to reproduce those logits: acceptance must be exactly K + 1 tokens per round.
 
   The draft attends only to its own position (queries/keys come from a constant embedding
   component, so scores depend on position alone and peak at distance 0), copies the token
   embedding through v/o, cancels the residual hidden on chain steps, and shares the lm_head."""
-  cfg = config_lib.tiny()
+  cfg = cfg or config_lib.tiny()
   target = model_lib.init_model(cfg, seed=seed)
   rng = np.random.default_rng(seed)
   D, H, K, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -145,19 +146,24 @@ def test_sampling_distribution_matches_target(draft_vocab, top_k):
   if draft_vocab < SMALL.vocab_size:
     used = np.sort(np.random.default_rng(5).choice(SMALL.vocab_size, draft_vocab, replace=False))
     draft.d2t[...] = jnp.asarray(used - np.arange(draft_vocab), jnp.int32)
-  temperature, prompt, n_tok = 1.5, [3, 11, 7], 3
+  outs = sample_and_check_marginals(target, draft, 1.5, top_k, k=2)
+  assert np.mean([o.acceptance_length for o in outs]) > 1.1  # drafts get accepted, not only corrected
+
+
+def sample_and_check_marginals(target, draft, temperature, top_k, **draft_shape):
+  """4 x 5000 rows of 3 sampled tokens after a fixed prompt; chi-squared test of each position's
+  token counts against the exact target marginals. Returns the generation outputs."""
+  prompt, n_tok, rows, calls = [3, 11, 7], 3, 5000, 4
   want = _exact_marginals(target, prompt, temperature, top_k, n_tok)
-  rows, calls = 5000, 4
   counts = np.zeros((n_tok, SMALL.vocab_size))
-  accepted = 0.0
+  outs = []
   for seed in range(calls):
-    out = spec.generate(target, draft, [prompt] * rows, k=2, max_new_tokens=n_tok,
+    out = spec.generate(target, draft, [prompt] * rows, **draft_shape, max_new_tokens=n_tok,
                         temperature=temperature, top_k=top_k, seed=seed, stop_tokens=[])
     toks = np.asarray(out.tokens)
     for t in range(n_tok):
       counts[t] += np.bincount(toks[:, t], minlength=SMALL.vocab_size)
-    accepted += out.acceptance_length
-  assert accepted / calls > 1.1  # the test exercises accepted drafts, not only corrections
+    outs.append(out)
   n = rows * calls
   for t in range(n_tok):
     support = want[t] > 1e-12
@@ -166,6 +172,7 @@ def test_sampling_distribution_matches_target(draft_vocab, top_k):
     dof = support.sum() - 1
     limit = CHI2_99.get(dof, dof + 3 * math.sqrt(2 * dof))
     assert chi2 < limit, (t, chi2, dof)
+  return outs
 
 
 # ---------------------------------------------------------------------------------------------
