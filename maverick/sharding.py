@@ -143,7 +143,7 @@ def check_model_fits(cfg, plan: Plan, what: str = "model"):
   t, e = plan.size("tensor"), plan.size("expert")
   checks = [("num_attention_heads", cfg.num_attention_heads, "tensor", t),
             ("num_key_value_heads", cfg.num_key_value_heads, "tensor", t)]
-  if plan.layout == "ep":
+  if plan.layout == "ep" and cfg.moe_layers:
     checks.append(("num_local_experts", cfg.num_local_experts, "expert", e))
   for field, value, axis, size in checks:
     if value % size:
