@@ -52,8 +52,8 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
       tokenizer, for smoke tests and benchmarks of shapes; its text output is meaningless.
 
   mesh: a `sharding.make_mesh(...)` mesh; the weights are placed by `layout` ("tp" or "ep", see
-  maverick/sharding.py) and generation then runs sharded. Converted checkpoints restore straight into
-  the shardings (also across processes after `sharding.initialize_distributed`).
+  maverick/sharding.py) and generation then runs sharded. Converted checkpoints restore straight
+  into the shardings (also across processes after `sharding.initialize_distributed`).
   """
   loaded = _load(source, dtype=dtype, mesh=mesh, rules=rules, seed=seed, moe_impl=moe_impl,
                  layout=layout)

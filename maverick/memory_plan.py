@@ -2,14 +2,14 @@
 
 Nothing is allocated: every input is a `ShapeDtypeStruct` carrying its `NamedSharding`, the step is
 lowered and compiled for the mesh (8 fake CPU devices do), and the sizes come from the shard shapes
-(weights, KV) and from the executable's memory analysis (temporaries). The KV cache is donated, as in
-the generate loop, so it is counted once.
+(weights, KV) and from the executable's memory analysis (temporaries). The KV cache is donated, as
+in the generate loop, so it is counted once.
 
 FP8 (`quant="fp8"`): the linears and experts are float8_e4m3fn with a float32 scale per output
-channel; embeddings, lm_head, router and norms stay in the model dtype. The step dequantizes each
-weight before its matmul (`quantized_weight` is the one place that decides what is quantized, so it can
-later point at the real quantization config). On GPU the FP8 GEMM reads the fp8 weights directly; on
-CPU XLA materialises the dequantized copy, so CPU temp bytes over-count that part.
+channel; embeddings, lm_head, router and norms stay in the model dtype. Each layer dequantizes its
+own weights just before use (`quantized_weight` is the one place that decides what is quantized, so
+it can later point at the real quantization config). On GPU an FP8 GEMM reads the fp8 weights
+directly; on CPU XLA materialises one layer's dequantized copy, so CPU temp bytes over-count that.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -97,20 +96,44 @@ def abstract_state(module, plan: sharding.Plan, quant: str):
   return graphdef, nnx.from_flat_state(flat), scales
 
 
-def dequantize(state, scales: dict, dtype):
-  """Inside the step: fp8 weight * per-channel scale -> model dtype."""
+def _dequantized(w, scale, path, axes, dtype):
+  shape = list(w.shape)
+  for i in quantized_weight(path, axes):
+    shape[i] = 1
+  return w.astype(dtype) * scale.reshape(shape).astype(dtype)
+
+
+def merge_quantized(graphdef, state, scales: dict, dtype):
+  """nnx.merge, then each decoder layer dequantizes its own FP8 weights when it runs. An
+  optimization barrier ties them to the layer's input, so XLA cannot dequantize every layer up front
+  (which would count a full model-dtype copy of the weights as temporaries)."""
+  model = nnx.merge(graphdef, state)
   if not scales:
-    return state
-  flat = []
+    return model
+  pending: dict[int, list] = {}
   for path, var in nnx.to_flat_state(state):
-    value = var.get_value()
     if _key(path) in scales:
-      shape = list(value.shape)
-      for i in quantized_weight(path, var.get_metadata()["logical_axes"]):
-        shape[i] = 1
-      value = value.astype(dtype) * scales[_key(path)].reshape(shape).astype(dtype)
-    flat.append((path, var.replace(value=value)))
-  return nnx.from_flat_state(flat)
+      layer = model.layers[int(path[1])]
+      node = layer
+      for p in path[2:]:
+        node = getattr(node, str(p))
+      pending.setdefault(id(layer), []).append(
+          (node, scales[_key(path)], path, var.get_metadata()["logical_axes"]))
+
+  base = type(model.layers[0])
+
+  class DequantizingLayer(base):
+    def __call__(self, x, *args, **kw):
+      entries = pending.pop(id(self), [])
+      if entries:
+        x, *ws = jax.lax.optimization_barrier((x, *[e[0].get_value() for e in entries]))
+        for (var, scale, path, axes), w in zip(entries, ws):
+          var.set_value(_dequantized(w, scale, path, axes, dtype))
+      return super().__call__(x, *args, **kw)
+
+  for layer in model.layers:
+    layer.__class__ = DequantizingLayer
+  return model
 
 
 def _cache_sds(cfg: Config, plan: sharding.Plan, batch: int, capacity: int, num_layers=None,
@@ -155,7 +178,7 @@ def plan_decode_step(cfg: Config, plan: sharding.Plan, *, batch: int, context: i
   dt = jnp.dtype(cfg.dtype)
 
   def step(state, scales, tokens, cache):
-    model = nnx.merge(graphdef, dequantize(state, scales, dt))
+    model = merge_quantized(graphdef, state, scales, dt)
     out = model(tokens, cache=sharding.constrain_cache(cache, plan))
     return jnp.argmax(out.logits[:, -1], -1), sharding.constrain_cache(out.cache, plan)
 
@@ -190,7 +213,7 @@ def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: in
   V = cfg.vocab_size
 
   def round_(ts, tscales, ds, x0, cand_tokens, cache, dcache):
-    target = nnx.merge(tg, dequantize(ts, tscales, dt))
+    target = merge_quantized(tg, ts, tscales, dt)
     draft = nnx.merge(dg, ds)
     params = sampling.SamplingParams(jnp.zeros((batch,)), jnp.zeros((batch,), jnp.int32),
                                      jnp.ones((batch,)))

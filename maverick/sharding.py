@@ -1,12 +1,12 @@
 """Sharding: one mesh ("data", "expert", "tensor"), logical-axis rules per layout, sharded MoE.
 
-Every weight declares logical axes (`model.weight`); a layout is a rule table from those names to mesh
-axes, so sharding a model never names a tensor. Two layouts:
+Every weight declares logical axes (`model.weight`); a layout is a rule table from those names to
+mesh axes, so sharding a model never names a tensor. Two layouts:
 
   "tp" (min latency, NVIDIA's record layout): attention heads, KV heads, MLP width, every expert's
-       width and the vocab split over `tensor`; each device holds a slice of EVERY expert. In a decode
-       step that leaves exactly two all-reduces per layer (attention output, FFN output) and no weight
-       all-gather.
+       width and the vocab split over `tensor`; each device holds a slice of EVERY expert. A decode
+       step then has exactly two all-reduces per layer (attention output, FFN output) and no
+       weight all-gather.
   "ep" (throughput): experts spread over `expert` (E/expert whole experts per device), their width
        over `tensor`; attention, dense MLP and vocab over `tensor`.
 
@@ -181,7 +181,7 @@ def shard_model(model, mesh: Mesh, layout: str = "tp"):
   plan = Plan(mesh, layout)
   cfg = getattr(model.config, "layer", model.config)  # the draft's layer config
   check_model_fits(cfg, plan, type(model).__name__)
-  graphdef, state = nnx.split(model)
+  state = nnx.state(model)
   placed = []
   for path, var in nnx.to_flat_state(state):
     axes = var.get_metadata().get("logical_axes", (None,) * len(var.shape))
@@ -218,7 +218,7 @@ def constrain_cache(cache, plan: Plan | None):
 
 
 def place_request(req, plan: Plan | None):
-  """Puts every request array on the mesh: [B, ...] arrays with rows over data, scalars replicated."""
+  """Puts every request array on the mesh: [B, ...] rows over data, scalars replicated."""
   if plan is None:
     return req
   batch = req.prompt.shape[0]
@@ -259,8 +259,12 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
       first = jax.lax.axis_index(ex) * e_local
       idx = top_idx - first
       mine = (idx >= 0) & (idx < e_local)
-      top_idx = jnp.where(mine, idx, 0)
-      scores = jnp.where(mine, scores, jnp.zeros_like(scores))  # input * 0: contributes exactly 0
+      # Another shard's assignment: score 0 (input * 0 contributes exactly 0). The grouped path
+      # sorts it past the last local expert, where no tile computes it; the gather path (few
+      # tokens) just reads local expert 0.
+      gathered = impl == "tiles" and x.shape[0] * top_k <= e_local
+      top_idx = jnp.where(mine, idx, 0 if gathered else e_local)
+      scores = jnp.where(mine, scores, jnp.zeros_like(scores))
     y = moe.moe_experts(x, top_idx, scores, gate, up, down, impl=impl)
     s = swiglu(x, sg, su, sd)
     if ex is not None:  # every expert shard has the shared expert's slice: count it once

@@ -79,9 +79,9 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
   # Draft position p pairs the target feature at p with the token at p+1.
   shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
   shifted = jnp.where(jnp.arange(Tp)[None, :] == (L - 1)[:, None], x0[:, None], shifted)
-  dout = draft(shifted, draft.fuse(_features(out.hidden)), embed,
-               cache=sharding.constrain_cache(draft.init_cache(B, capacity), sharding.plan_of(draft)),
-               prefill=True, logits_at=L - 1)
+  dcache = sharding.constrain_cache(draft.init_cache(B, capacity), sharding.plan_of(draft))
+  dout = draft(shifted, draft.fuse(_features(out.hidden)), embed, cache=dcache, prefill=True,
+               logits_at=L - 1)
   cand, dcache = draft_chain(draft, dout.logits, dout.hidden, dout.cache, L, embed, params,
                              k_draft, k=k, vocab=V)
   stats = SpecStats(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),

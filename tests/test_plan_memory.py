@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 from maverick import config as config_lib

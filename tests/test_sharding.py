@@ -85,11 +85,12 @@ def test_greedy_generation_matches_single_device(hf_fixture_dir, hf_fixture, fix
   assert out.tokens[0] == hf_fixture["greedy"][:12].tolist()
 
 
-def test_speculative_greedy_matches_single_device(hf_fixture_dir, fixture_model):
+@pytest.mark.parametrize("layout,mesh_kw", [FIXTURE_MESHES[0], FIXTURE_MESHES[2]])
+def test_speculative_greedy_matches_single_device(hf_fixture_dir, fixture_model, layout, mesh_kw):
   dcfg = draft_lib.Eagle3Config.for_target(fixture_model.config)
-  mesh = sharding.make_mesh(data=4, tensor=2)
-  model = _sharded_fixture(hf_fixture_dir, "tp", dict(data=4, tensor=2))
-  draft = sharding.shard_model(draft_lib.init_draft(dcfg, seed=1), mesh, "tp")
+  model = _sharded_fixture(hf_fixture_dir, layout, mesh_kw)
+  mesh = sharding.plan_of(model).mesh
+  draft = sharding.shard_model(draft_lib.init_draft(dcfg, seed=1), mesh, layout)
   prompts = _prompts(4, seed=2)
   kw = dict(k=3, max_new_tokens=12, stop_tokens=[])
   with count_compiles() as compiles:
