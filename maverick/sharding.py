@@ -181,13 +181,14 @@ def shard_model(model, mesh: Mesh, layout: str = "tp"):
   plan = Plan(mesh, layout)
   cfg = getattr(model.config, "layer", model.config)  # the draft's layer config
   check_model_fits(cfg, plan, type(model).__name__)
-  state = nnx.state(model)
-  placed = []
-  for path, var in nnx.to_flat_state(state):
+  flat = nnx.to_flat_state(nnx.state(model))
+  targets = []
+  for path, var in flat:  # check every weight before moving any
     axes = var.get_metadata().get("logical_axes", (None,) * len(var.shape))
-    sh = NamedSharding(mesh, plan.spec(axes))
-    _check_param(path, var.shape, sh.spec, plan)
-    placed.append((path, var.replace(value=put(var.get_value(), sh))))
+    targets.append(NamedSharding(mesh, plan.spec(axes)))
+    _check_param(path, var.shape, targets[-1].spec, plan)
+  placed = [(path, var.replace(value=put(var.get_value(), sh)))
+            for (path, var), sh in zip(flat, targets)]
   nnx.update(model, nnx.from_flat_state(placed))
   attach_plan(model, plan)
   return model
