@@ -10,11 +10,13 @@ mesh axes, so sharding a model never names a tensor. Two layouts:
   "ep" (throughput): experts spread over `expert` (E/expert whole experts per device), their width
        over `tensor`; attention, dense MLP and vocab over `tensor`.
 
-Batch is over `data` in both. The MoE runs inside `shard_map` when the model is sharded: each device
-routes its tokens, runs its local experts (an assignment to another device's expert gets score 0, so
-it contributes exactly nothing), adds the shared expert on one expert-shard, and ONE psum over
-(expert, tensor) finishes the layer. Attention and the dense MLP are left to GSPMD, which emits one
-all-reduce after each output projection.
+Rows are over `data` (tp) or `data` x `expert` (ep: data-parallel attention, so the KV cache splits
+over expert groups too) whenever they divide it. The MoE runs inside `shard_map` when the model is
+sharded: each device routes its tokens, runs its local experts (an assignment to another device's
+expert gets score 0, so it contributes exactly nothing) and the shared expert's slice, then ONE psum
+over tensor (tp), or an all-gather of the rows before routing and a reduce-scatter after (ep), ends
+the layer. Attention and the dense MLP are left to GSPMD, which emits one all-reduce after each
+output projection.
 
 A sharded model carries its `Plan` (mesh + layout) as a static attribute, so `generate` and the
 speculative loop place requests and caches from it without new arguments.
@@ -44,7 +46,8 @@ _COMMON = {"batch": "data", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "t
            "vocab": "tensor", "expert_mlp": "tensor"}
 LAYOUT_RULES: dict[str, Rules] = {
     "tp": dict(_COMMON, experts=None),
-    "ep": dict(_COMMON, experts="expert"),
+    # Data-parallel attention: rows over data AND expert, gathered into the MoE and scattered back.
+    "ep": dict(_COMMON, experts="expert", batch=("data", "expert")),
 }
 
 
@@ -129,9 +132,16 @@ class Plan:
   def named(self, logical_axes: Sequence[str | None]) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec(logical_axes))
 
-  def batch_axis(self, batch: int) -> str | None:
-    """Rows go over `data` when they divide it; otherwise every replica runs all rows."""
-    return "data" if self.size("data") > 1 and batch % self.size("data") == 0 else None
+  def batch_axis(self, batch: int) -> str | tuple[str, ...] | None:
+    """The mesh axes rows are split over: the layout's batch axes (ep: data x expert, so attention
+    runs data-parallel across expert groups) when their size divides the rows, else `data` when it
+    does, else none (every device runs all rows: correct, only slower)."""
+    rule = self.rules["batch"]
+    for axes in ((rule,) if isinstance(rule, str) else tuple(rule), ("data",)):
+      axes = tuple(a for a in axes if self.size(a) > 1)
+      if axes and batch % math.prod(self.size(a) for a in axes) == 0:
+        return axes[0] if len(axes) == 1 else axes
+    return None
 
 
 def plan_of(module) -> Plan | None:
@@ -250,10 +260,15 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
   from maverick.model import swiglu
   rows = plan.batch_axis(x_nd.shape[0])
   ex, tp = plan.rules["experts"], plan.rules["expert_mlp"]
-  reduce_axes = tuple(a for a in (ex, tp) if a is not None)
+  # Rows split over the expert axis (data-parallel attention) are gathered before routing, every
+  # shard runs its experts on all of them, and a reduce-scatter returns each shard its rows.
+  dp_experts = ex is not None and ex in ((rows,) if isinstance(rows, str) else (rows or ()))
+  reduce_axes = tuple(a for a in (ex, tp) if a is not None and plan.size(a) > 1
+                      and not (dp_experts and a == ex))
   P = PartitionSpec
 
-  def local(x, router, gate, up, down, sg, su, sd):
+  def local(x_own, router, gate, up, down, sg, su, sd):
+    x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
     top_idx, scores, _ = moe.route(x, router, top_k)
     if ex is not None:
       e_local = gate.shape[0]
@@ -267,9 +282,13 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
       top_idx = jnp.where(mine, idx, 0 if gathered else e_local)
       scores = jnp.where(mine, scores, jnp.zeros_like(scores))
     y = moe.moe_experts(x, top_idx, scores, gate, up, down, impl=impl)
-    s = swiglu(x, sg, su, sd)
-    if ex is not None:  # every expert shard has the shared expert's slice: count it once
-      s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
+    if dp_experts:  # own rows, summed over expert shards; the shared expert on own rows only
+      y = jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True)
+      s = swiglu(x_own, sg, su, sd)
+    else:
+      s = swiglu(x, sg, su, sd)
+      if ex is not None:  # every expert shard has the shared expert's slice: count it once
+        s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
     return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s
 
   f = jax.shard_map(

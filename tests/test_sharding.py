@@ -131,15 +131,10 @@ def collectives(hlo: str) -> dict[str, list[str]]:
   return out
 
 
-def test_tp_decode_step_has_two_all_reduces_per_layer_and_no_weight_gather():
-  """TP8 on the 16-expert config: one decode step (T=1, KV cache) compiles to exactly 2
-  all-reduces per layer (attention output, FFN output) + 1 for the vocab-sharded embedding lookup,
-  each the size of the activations [B, 1, D]; no all-gather, reduce-scatter or all-to-all."""
-  cfg = wide_config()
-  model = sharding.shard_model(model_lib.init_model(cfg), sharding.make_mesh(tensor=8), "tp")
+def _decode_step_hlo(cfg, mesh, layout, B):
+  model = sharding.shard_model(model_lib.init_model(cfg), mesh, layout)
   plan = sharding.plan_of(model)
   graphdef, state = nnx.split(model)
-  B = 2
 
   def step(state, tokens, cache):
     out = nnx.merge(graphdef, state)(tokens, cache=sharding.constrain_cache(cache, plan))
@@ -147,7 +142,34 @@ def test_tp_decode_step_has_two_all_reduces_per_layer_and_no_weight_gather():
 
   cache = jax.eval_shape(lambda: kvc.KVCache.init(cfg, B, 64))
   tokens = jax.ShapeDtypeStruct((B, 1), jnp.int32)
-  hlo = jax.jit(step, donate_argnums=2).lower(state, tokens, cache).compile().as_text()
+  return jax.jit(step, donate_argnums=2).lower(state, tokens, cache).compile().as_text()
+
+
+def _numel(line: str) -> int:
+  shape = re.search(r"=\s*\w+\[([\d,]*)\]", line).group(1)
+  return int(np.prod([int(d) for d in shape.split(",") if d]))
+
+
+def test_ep_decode_step_moves_only_token_rows():
+  """EP8 (data-parallel attention, one row per device): per MoE layer one all-gather of the rows
+  into the experts and one reduce-scatter back, nothing else; attention needs no collective."""
+  cfg = wide_config()
+  B = 8
+  found = collectives(_decode_step_hlo(cfg, sharding.make_mesh(expert=8), "ep", B))
+  n_moe = len(cfg.moe_layers)
+  assert len(found["all-gather"]) == len(found["reduce-scatter"]) == n_moe, found
+  assert not found["all-reduce"] and not found["all-to-all"] and not found["collective-permute"]
+  for line in found["all-gather"]:
+    assert _numel(line) == B * cfg.hidden_size, line  # gathered rows, not weights
+
+
+def test_tp_decode_step_has_two_all_reduces_per_layer_and_no_weight_gather():
+  """TP8 on the 16-expert config: one decode step (T=1, KV cache) compiles to exactly 2
+  all-reduces per layer (attention output, FFN output) + 1 for the vocab-sharded embedding lookup,
+  each the size of the activations [B, 1, D]; no all-gather, reduce-scatter or all-to-all."""
+  cfg = wide_config()
+  B = 2
+  hlo = _decode_step_hlo(cfg, sharding.make_mesh(tensor=8), "tp", B)
   found = collectives(hlo)
   L = cfg.num_hidden_layers
   assert len(found["all-reduce"]) == 2 * L + 1, "\n".join(found["all-reduce"])
@@ -155,8 +177,7 @@ def test_tp_decode_step_has_two_all_reduces_per_layer_and_no_weight_gather():
     assert not found[op], (op, found[op][:3])
   # Every all-reduce moves activations (B*D values), never a weight.
   for line in found["all-reduce"]:
-    shape = re.search(r"=\s*\w+\[([\d,]*)\]", line).group(1)
-    assert int(np.prod([int(d) for d in shape.split(",") if d])) == B * cfg.hidden_size, line
+    assert _numel(line) == B * cfg.hidden_size, line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,3 +212,13 @@ def test_weight_dimension_not_dividing_names_the_weight():
   with pytest.raises(sharding.ShardingError, match=r"weight layers\.1\.ffn\.\w+ .* 36 is not "
                      "divisible by mesh axis tensor=8"):
     sharding.shard_model(model_lib.init_model(cfg), sharding.make_mesh(tensor=8), "tp")
+
+
+def test_rows_split_over_data_and_expert_axes():
+  ep = sharding.Plan(sharding.make_mesh(data=2, expert=2, tensor=2), "ep")
+  assert ep.batch_axis(4) == ("data", "expert")  # data-parallel attention across expert groups
+  assert ep.batch_axis(2) == "data"
+  assert ep.batch_axis(3) is None
+  assert sharding.Plan(sharding.make_mesh(expert=4, tensor=2), "ep").batch_axis(4) == "expert"
+  tp = sharding.Plan(sharding.make_mesh(data=4, tensor=2), "tp")
+  assert tp.batch_axis(8) == "data" and tp.batch_axis(2) is None
