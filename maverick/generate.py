@@ -22,6 +22,7 @@ from flax import nnx
 
 from maverick import kv_cache as kvc
 from maverick import sampling
+from maverick import sharding
 from maverick.model import Llama4
 
 MIN_BUCKET = 16
@@ -119,7 +120,8 @@ def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=()):
   """Fills an empty cache with the prompts; returns (forward output at each row's last prompt token,
   cache with lengths = prompt lengths)."""
   B = req.prompt.shape[0]
-  cache = kvc.KVCache.init(model.config, B, capacity)
+  cache = sharding.constrain_cache(kvc.KVCache.init(model.config, B, capacity),
+                                   sharding.plan_of(model))
   out = model(req.prompt, cache=cache, prefill=True, logits_at=req.prompt_lengths - 1,
               capture_layers=capture_layers)
   return out, out.cache.with_lengths(req.prompt_lengths)
@@ -199,12 +201,13 @@ def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=
   req, steps, capacity = prepare(
       model.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
       top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
+  req = sharding.place_request(req, sharding.plan_of(model))
   graphdef, state = nnx.split(model)
   exe, compile_s = compiled_generate(graphdef, state, req, steps=steps, capacity=capacity,
                                      pad_id=resolve_pad_id(model.config, pad_id))
   start = time.perf_counter()
   tokens, num = exe(state, req)
-  tokens, num = np.asarray(tokens), np.asarray(num)
+  tokens, num = sharding.to_host(tokens), sharding.to_host(num)
   run_s = time.perf_counter() - start
   return Generation(tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)], num_tokens=num,
                     compile_seconds=compile_s, run_seconds=run_s)

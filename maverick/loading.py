@@ -40,7 +40,7 @@ class Loaded:
 
 def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
          rules: sharding_lib.Rules = sharding_lib.REPLICATED, seed: int = 0,
-         moe_impl: str = "tiles") -> Loaded:
+         moe_impl: str = "tiles", layout: str = "tp") -> Loaded:
   """Loads a model and its tokenizer.
 
   source:
@@ -50,7 +50,19 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
     - a Hugging Face Llama 4 directory (config.json + safetensors), read directly,
     - "random:<preset>" (e.g. "random:tiny"): random weights of a preset config with a byte-level
       tokenizer, for smoke tests and benchmarks of shapes; its text output is meaningless.
+
+  mesh: a `sharding.make_mesh(...)` mesh; the weights are placed by `layout` ("tp" or "ep", see
+  maverick/sharding.py) and generation then runs sharded. Converted checkpoints restore straight
+  into the shardings (also across processes after `sharding.initialize_distributed`).
   """
+  loaded = _load(source, dtype=dtype, mesh=mesh, rules=rules, seed=seed, moe_impl=moe_impl,
+                 layout=layout)
+  if mesh is not None and sharding_lib.plan_of(loaded.model) is None:
+    sharding_lib.shard_model(loaded.model, mesh, layout)
+  return loaded
+
+
+def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout) -> Loaded:
   if source in EMBEDDED:
     path = EMBEDDED[source]
     if not store.is_orbax_checkpoint(path):
@@ -76,7 +88,9 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
     raise FileNotFoundError(f"checkpoint {source!r} is not a directory; pass {DEFAULT_MODEL!r} "
                             "(embedded), a converted checkpoint, a Hugging Face Llama 4 directory, "
                             f"or random:<preset> (presets: {', '.join(sorted(config_lib.PRESETS))})")
-  if store.is_orbax_checkpoint(source):
+  if store.is_orbax_checkpoint(source) and mesh is not None:
+    model = store.load_orbax_sharded(source, mesh, layout, dtype=dtype, moe_impl=moe_impl)
+  elif store.is_orbax_checkpoint(source):
     model = store.load_orbax(source, mesh=mesh, rules=rules, dtype=dtype, moe_impl=moe_impl)
   elif os.path.isfile(os.path.join(source, "config.json")):
     model = store.load_hf(source, dtype=dtype, moe_impl=moe_impl)

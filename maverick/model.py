@@ -24,6 +24,7 @@ from flax import nnx
 
 from maverick import kv_cache as kvc
 from maverick import moe
+from maverick import sharding
 from maverick.config import Config
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -284,6 +285,12 @@ class MoE(nnx.Module):
   def __call__(self, x_btd):
     B, T, D = x_btd.shape
     x = x_btd.reshape(B * T, D)
+    plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
+    if plan is not None and not self.record_balance_loss:
+      shared = (self.shared.gate[...], self.shared.up[...], self.shared.down[...])
+      y = sharding.sharded_moe(plan, x, self.router[...], self.gate[...], self.up[...],
+                               self.down[...], shared, top_k=self.top_k, impl=self.impl)
+      return y.reshape(B, T, D)
     top_idx, scores, logits = moe.route(x, self.router[...], self.top_k)
     if self.record_balance_loss:
       self.sow(nnx.Intermediate, "balance_loss", moe.load_balancing_loss(logits, top_idx))

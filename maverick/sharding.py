@@ -1,14 +1,36 @@
-"""Logical-axis sharding: every weight declares logical axes (model.weight), rules map them to mesh axes.
+"""Sharding: one mesh ("data", "expert", "tensor"), logical-axis rules per layout, sharded MoE.
 
-Only the single-device layout is used so far; the multi-device layouts (TP, EP) are rule tables over
-the same logical names, so enabling them does not touch the model.
+Every weight declares logical axes (`model.weight`); a layout is a rule table from those names to
+mesh axes, so sharding a model never names a tensor. Two layouts:
+
+  "tp" (min latency, NVIDIA's record layout): attention heads, KV heads, MLP width, every expert's
+       width and the vocab split over `tensor`; each device holds a slice of EVERY expert. A decode
+       step then has exactly two all-reduces per layer (attention output, FFN output) and no
+       weight all-gather.
+  "ep" (throughput): experts spread over `expert` (E/expert whole experts per device), their width
+       over `tensor`; attention, dense MLP and vocab over `tensor`.
+
+Rows are over `data` (tp) or `data` x `expert` (ep: data-parallel attention, so the KV cache splits
+over expert groups too) whenever they divide it. The MoE runs inside `shard_map` when the model is
+sharded: each device routes its tokens, runs its local experts (an assignment to another device's
+expert gets score 0, so it contributes exactly nothing) and the shared expert's slice, then ONE psum
+over tensor (tp), or an all-gather of the rows before routing and a reduce-scatter after (ep), ends
+the layer. Attention and the dense MLP are left to GSPMD, which emits one all-reduce after each
+output projection.
+
+A sharded model carries its `Plan` (mesh + layout) as a static attribute, so `generate` and the
+speculative loop place requests and caches from it without new arguments.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
@@ -16,6 +38,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 Rules = Mapping[str, str | tuple[str, ...] | None]
 
 REPLICATED: Rules = {}
+AXES = ("data", "expert", "tensor")
+LAYOUTS = ("tp", "ep")
+PLAN_ATTR = "sharding_plan"
+
+_COMMON = {"batch": "data", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+           "vocab": "tensor", "expert_mlp": "tensor"}
+LAYOUT_RULES: dict[str, Rules] = {
+    "tp": dict(_COMMON, experts=None),
+    # Data-parallel attention: rows over data AND expert, gathered into the MoE and scattered back.
+    "ep": dict(_COMMON, experts="expert", batch=("data", "expert")),
+}
+
+
+class ShardingError(ValueError):
+  """A mesh or layout that does not fit the devices or the model."""
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
@@ -31,3 +68,253 @@ def state_shardings(abstract_state: nnx.State, mesh: Mesh | None = None,
     axes = var.get_metadata().get("logical_axes", (None,) * len(var.shape))
     return NamedSharding(mesh, logical_to_spec(axes, rules))
   return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+# ----------------------------------------------------------------------------------------------
+# Mesh and plan
+# ----------------------------------------------------------------------------------------------
+def make_mesh(*, data: int = 1, expert: int = 1, tensor: int | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ("data", "expert", "tensor") mesh over `devices` (default: all devices of all processes).
+
+  `tensor=None` takes the devices left over by data x expert. The sizes must multiply to the device
+  count: a mesh never silently leaves devices idle."""
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  for name, size in (("data", data), ("expert", expert), ("tensor", tensor)):
+    if size is not None and (not isinstance(size, (int, np.integer)) or size < 1):
+      raise ShardingError(f"mesh axis {name} must be a positive integer, got {size!r}")
+  if tensor is None:
+    if n % (data * expert):
+      raise ShardingError(f"data={data} x expert={expert} does not divide the {n} devices; "
+                          "choose sizes whose product divides the device count")
+    tensor = n // (data * expert)
+  want = data * expert * tensor
+  if want > n:
+    raise ShardingError(
+        f"the mesh data={data} x expert={expert} x tensor={tensor} needs {want} devices but only "
+        f"{n} are present ({jax.default_backend()}); lower the sizes, or on CPU set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={want} before importing jax")
+  if want < n:
+    raise ShardingError(f"the mesh data={data} x expert={expert} x tensor={tensor} uses {want} of "
+                        f"the {n} devices; make the sizes multiply to {n} or pass devices=")
+  grid = np.asarray(devices, dtype=object).reshape(data, expert, tensor)
+  return Mesh(grid, AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Mesh + layout: hashable, so it can sit in a module's static graph definition."""
+  mesh: Mesh
+  layout: str = "tp"
+
+  def __post_init__(self):
+    if self.layout not in LAYOUTS:
+      raise ShardingError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS}")
+    if tuple(self.mesh.axis_names) != AXES:
+      raise ShardingError(f"mesh axes must be {AXES} (use sharding.make_mesh), got "
+                          f"{tuple(self.mesh.axis_names)}")
+    if self.layout == "tp" and self.size("expert") > 1:
+      raise ShardingError(f"layout 'tp' splits every expert over 'tensor' and has no use for an "
+                          f"expert axis of size {self.size('expert')}; use layout='ep' or put "
+                          "those devices on tensor/data")
+
+  @property
+  def rules(self) -> Rules:
+    return LAYOUT_RULES[self.layout]
+
+  def size(self, axis: str) -> int:
+    return int(self.mesh.shape[axis])
+
+  def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
+    return logical_to_spec(logical_axes, self.rules)
+
+  def named(self, logical_axes: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec(logical_axes))
+
+  def batch_axis(self, batch: int) -> str | tuple[str, ...] | None:
+    """The mesh axes rows are split over: the layout's batch axes (ep: data x expert, so attention
+    runs data-parallel across expert groups) when their size divides the rows, else `data` when it
+    does, else none (every device runs all rows: correct, only slower)."""
+    rule = self.rules["batch"]
+    for axes in ((rule,) if isinstance(rule, str) else tuple(rule), ("data",)):
+      axes = tuple(a for a in axes if self.size(a) > 1)
+      if axes and batch % math.prod(self.size(a) for a in axes) == 0:
+        return axes[0] if len(axes) == 1 else axes
+    return None
+
+
+def plan_of(module) -> Plan | None:
+  return getattr(module, PLAN_ATTR, None)
+
+
+def check_model_fits(cfg, plan: Plan, what: str = "model"):
+  """Clear errors for head / KV-head / expert counts the mesh does not divide."""
+  t, e = plan.size("tensor"), plan.size("expert")
+  checks = [("num_attention_heads", cfg.num_attention_heads, "tensor", t),
+            ("num_key_value_heads", cfg.num_key_value_heads, "tensor", t)]
+  if plan.layout == "ep" and cfg.moe_layers:
+    checks.append(("num_local_experts", cfg.num_local_experts, "expert", e))
+  for field, value, axis, size in checks:
+    if value % size:
+      fix = ("KV heads are not replicated across devices in this version; keep tensor <= "
+             "num_key_value_heads" if field == "num_key_value_heads" else
+             f"choose {axis} among the divisors of {value}")
+      raise ShardingError(f"{what}: {field}={value} is not divisible by the mesh axis {axis}={size}"
+                          f"; {fix}")
+
+
+def _check_param(path, shape, spec: PartitionSpec, plan: Plan):
+  for dim, axis in zip(shape, spec):
+    if axis is None:
+      continue
+    size = math.prod(plan.size(a) for a in ((axis,) if isinstance(axis, str) else axis))
+    if dim % size:
+      name = ".".join(str(p) for p in path)
+      raise ShardingError(f"weight {name} {tuple(shape)}: dimension {dim} is not divisible by mesh "
+                          f"axis {axis}={size} (layout {plan.layout!r}); choose a mesh whose "
+                          "sizes divide the model's dimensions")
+
+
+def put(value, sharding: NamedSharding) -> jax.Array:
+  """Places a host or single-device value on a (possibly multi-process) global sharding; every
+  process passes the same value."""
+  if jax.process_count() == 1:
+    return jax.device_put(value, sharding)
+  host = np.asarray(value)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def shard_model(model, mesh: Mesh, layout: str = "tp"):
+  """Returns `model` (a Llama4 or an Eagle3Draft) with its weights placed by the layout's rules and
+  its plan attached, so generation and the MoE shard themselves. The module is changed in place."""
+  plan = Plan(mesh, layout)
+  cfg = getattr(model.config, "layer", model.config)  # the draft's layer config
+  check_model_fits(cfg, plan, type(model).__name__)
+  flat = nnx.to_flat_state(nnx.state(model))
+  targets = []
+  for path, var in flat:  # check every weight before moving any
+    axes = var.get_metadata().get("logical_axes", (None,) * len(var.shape))
+    targets.append(NamedSharding(mesh, plan.spec(axes)))
+    _check_param(path, var.shape, targets[-1].spec, plan)
+  placed = [(path, var.replace(value=put(var.get_value(), sh)))
+            for (path, var), sh in zip(flat, targets)]
+  nnx.update(model, nnx.from_flat_state(placed))
+  attach_plan(model, plan)
+  return model
+
+
+def attach_plan(model, plan: Plan | None):
+  """Marks the model and its MoE layers with the plan (a static attribute, part of the graphdef)."""
+  from maverick.model import MoE  # model imports this module
+  setattr(model, PLAN_ATTR, plan)
+  for _, m in nnx.iter_graph(model):
+    if isinstance(m, MoE):
+      setattr(m, PLAN_ATTR, plan)
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations, caches, requests
+# ----------------------------------------------------------------------------------------------
+def constrain_cache(cache, plan: Plan | None):
+  """KV cache [B, S, K, Dh] per layer: KV heads over tensor, rows over data."""
+  if plan is None:
+    return cache
+  spec = PartitionSpec(plan.batch_axis(cache.batch_size), None, plan.rules["kv_heads"], None)
+  sh = NamedSharding(plan.mesh, spec)
+  c = lambda xs: tuple(jax.lax.with_sharding_constraint(x, sh) for x in xs)
+  lengths = jax.lax.with_sharding_constraint(
+      cache.lengths, NamedSharding(plan.mesh, PartitionSpec(spec[0])))
+  return dataclasses.replace(cache, k=c(cache.k), v=c(cache.v), lengths=lengths)
+
+
+def place_request(req, plan: Plan | None):
+  """Puts every request array on the mesh: [B, ...] rows over data, scalars replicated."""
+  if plan is None:
+    return req
+  batch = req.prompt.shape[0]
+  def one(x):
+    axis = plan.batch_axis(batch) if x.ndim else None
+    spec = PartitionSpec(axis, *([None] * max(x.ndim - 1, 0))) if x.ndim else PartitionSpec()
+    return put(np.asarray(x), NamedSharding(plan.mesh, spec))
+  return jax.tree.map(one, req)
+
+
+def to_host(x) -> np.ndarray:
+  """np.asarray that also works for arrays spanning several processes (replicated or not)."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded MoE
+# ----------------------------------------------------------------------------------------------
+def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared, *, top_k: int,
+                impl: str):
+  """Llama 4 MoE (routed + shared expert) inside shard_map with one psum at the end.
+
+  shared: (gate [D,F], up [D,F], down [F,D]) of the shared expert."""
+  from maverick import moe  # avoid a cycle at import time
+  from maverick.model import swiglu
+  rows = plan.batch_axis(x_nd.shape[0])
+  ex, tp = plan.rules["experts"], plan.rules["expert_mlp"]
+  # Rows split over the expert axis (data-parallel attention) are gathered before routing, every
+  # shard runs its experts on all of them, and a reduce-scatter returns each shard its rows.
+  dp_experts = ex is not None and ex in ((rows,) if isinstance(rows, str) else (rows or ()))
+  reduce_axes = tuple(a for a in (ex, tp) if a is not None and plan.size(a) > 1
+                      and not (dp_experts and a == ex))
+  P = PartitionSpec
+
+  def local(x_own, router, gate, up, down, sg, su, sd):
+    x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
+    top_idx, scores, _ = moe.route(x, router, top_k)
+    if ex is not None:
+      e_local = gate.shape[0]
+      first = jax.lax.axis_index(ex) * e_local
+      idx = top_idx - first
+      mine = (idx >= 0) & (idx < e_local)
+      # Another shard's assignment: score 0 (input * 0 contributes exactly 0). The grouped path
+      # sorts it past the last local expert, where no tile computes it; the gather path (few
+      # tokens) just reads local expert 0.
+      gathered = impl == "tiles" and x.shape[0] * top_k <= e_local
+      top_idx = jnp.where(mine, idx, 0 if gathered else e_local)
+      scores = jnp.where(mine, scores, jnp.zeros_like(scores))
+    y = moe.moe_experts(x, top_idx, scores, gate, up, down, impl=impl)
+    if dp_experts:  # own rows, summed over expert shards; the shared expert on own rows only
+      y = jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True)
+      s = swiglu(x_own, sg, su, sd)
+    else:
+      s = swiglu(x, sg, su, sd)
+      if ex is not None:  # every expert shard has the shared expert's slice: count it once
+        s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
+    return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s
+
+  f = jax.shard_map(
+      local, mesh=plan.mesh,
+      in_specs=(P(rows, None), P(None, None), P(ex, None, tp), P(ex, None, tp), P(ex, tp, None),
+                P(None, tp), P(None, tp), P(tp, None)),
+      out_specs=P(rows, None), check_vma=False)
+  return f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared)
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-host
+# ----------------------------------------------------------------------------------------------
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None, process_id: int | None = None,
+                           local_device_ids: Sequence[int] | None = None):
+  """`jax.distributed.initialize` (auto-detects Slurm / Open MPI / Kubernetes when no argument is
+  given). Call it before any other JAX call; on CPU it also selects gloo collectives."""
+  given = [coordinator_address is not None, num_processes is not None, process_id is not None]
+  if any(given) and not all(given):
+    raise ShardingError("pass all of coordinator_address, num_processes and process_id "
+                        "(--coordinator_address/--num_processes/--process_id), or none of them "
+                        "to auto-detect the cluster")
+  if all(given) and not 0 <= process_id < num_processes:
+    raise ShardingError(f"process_id {process_id} outside [0, num_processes={num_processes})")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id,
+                             local_device_ids=local_device_ids)

@@ -17,6 +17,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maverick import cli  # noqa: E402  (after the sys.path line)
+from maverick import mesh_flags  # noqa: E402  (defines --mesh, --layout, multi-host flags)
 
 DEFAULT_CHECKPOINT = "tiny"
 
@@ -92,6 +93,7 @@ def main(argv):
   import maverick  # late: --help and flag errors stay instant
   from maverick.checkpoint import CheckpointError
   from maverick.config import ConfigError
+  from maverick import sharding
   from maverick.generate import generate
   from maverick.tokenizer import TokenizerError
   import spec_decode
@@ -99,7 +101,9 @@ def main(argv):
 
   try:
     texts = _read_prompts()
-    loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value)
+    mesh = mesh_flags.mesh_from_flags()
+    loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value, mesh=mesh,
+                           layout=mesh_flags.LAYOUT.value)
     tok = loaded.tokenizer
     if tok is None:
       raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json; copy the model's tokenizer "
@@ -119,6 +123,8 @@ def main(argv):
         draft = spec_decode.load_draft(_CHECKPOINT.value, loaded.model)
       else:
         note = "(no --draft for this checkpoint: plain decoding)"
+    if draft is not None and mesh is not None:
+      draft = sharding.shard_model(draft, mesh, mesh_flags.LAYOUT.value)
     kw = dict(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
               top_p=_TOP_P.value, seed=_SEED.value, stop_tokens=loaded.stop_tokens,
               max_cache_len=_MAX_CACHE_LEN.value)
@@ -127,7 +133,7 @@ def main(argv):
     else:
       out = spec_decode.generate(loaded.model, draft, prompts, k=_SPEC_K.value, tree=tree, **kw)
   except (ValueError, FileNotFoundError, CheckpointError, ConfigError, TokenizerError,
-          DraftConfigError, NotImplementedError) as e:
+          DraftConfigError, NotImplementedError, sharding.ShardingError) as e:
     return cli.fail("generate", e)
 
   stops = set(loaded.stop_tokens)

@@ -25,9 +25,9 @@ from flax import nnx
 
 from maverick import generate as plain
 from maverick import sampling
-from maverick.model import Llama4
+from maverick import sharding
+from maverick.model import Llama4, TreeMask
 from spec_decode.draft import Eagle3Draft
-from maverick.model import TreeMask
 from spec_decode.tree import (TreeShape, commit_path, draft_tree, gather_path, verify_layout,
                               verify_tree)
 from spec_decode.verify import Candidates, chain_parents, verify_chain
@@ -107,8 +107,9 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
   # Draft position p pairs the target feature at p with the token at p+1.
   shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
   shifted = jnp.where(jnp.arange(Tp)[None, :] == (L - 1)[:, None], x0[:, None], shifted)
-  dout = draft(shifted, draft.fuse(_features(out.hidden)), embed,
-               cache=draft.init_cache(B, capacity), prefill=True, logits_at=L - 1)
+  dcache = sharding.constrain_cache(draft.init_cache(B, capacity), sharding.plan_of(draft))
+  dout = draft(shifted, draft.fuse(_features(out.hidden)), embed, cache=dcache, prefill=True,
+               logits_at=L - 1)
   cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L, k_draft)
   stats = SpecStats(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
                     jnp.zeros((B, width), jnp.int32))
@@ -208,6 +209,7 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
       target.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
       top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
   capacity += slack
+  req = sharding.place_request(req, sharding.plan_of(target))
   tgt_graphdef, tgt_state = nnx.split(target)
   dr_graphdef, dr_state = nnx.split(draft)
   exe, compile_s = compiled_spec_generate(
@@ -215,8 +217,8 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
       pad_id=plain.resolve_pad_id(target.config, pad_id), tree=tree)
   start = time.perf_counter()
   tokens, num, stats = exe(tgt_state, dr_state, req)
-  tokens, num = np.asarray(tokens), np.asarray(num)
-  stats = jax.tree.map(np.asarray, stats)
+  tokens, num = sharding.to_host(tokens), sharding.to_host(num)
+  stats = jax.tree.map(sharding.to_host, stats)
   run_s = time.perf_counter() - start
   return SpecGeneration(
       tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)], num_tokens=num,

@@ -256,3 +256,15 @@ def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles"
   ckpt = hf.SafetensorsCheckpoint(hf_dir)
   arrays = {path: jax.device_put(x) for path, x in hf.iter_params(ckpt, cfg)}
   return _assemble(cfg, arrays, moe_impl)
+
+
+def load_orbax_sharded(path: str, mesh, layout: str = "tp", *, dtype: str | None = None,
+                       moe_impl: str = "tiles") -> model_lib.Llama4:
+  """Restores straight into the layout's shardings on `mesh` (a global mesh across processes after
+  `sharding.initialize_distributed`: each process reads only its shards) and attaches the plan."""
+  cfg = config_lib.Config.from_dict(read_meta(path)["config"])
+  plan = sharding_lib.Plan(mesh, layout)
+  sharding_lib.check_model_fits(cfg.replace(dtype=dtype) if dtype else cfg, plan)
+  model = load_orbax(path, mesh=mesh, rules=plan.rules, dtype=dtype, moe_impl=moe_impl)
+  sharding_lib.attach_plan(model, plan)
+  return model

@@ -1,0 +1,253 @@
+"""Per-device memory of the full-size decode step and speculative round, from compiled executables.
+
+Nothing is allocated: every input is a `ShapeDtypeStruct` carrying its `NamedSharding`, the step is
+lowered and compiled for the mesh (8 fake CPU devices do), and the sizes come from the shard shapes
+(weights, KV) and from the executable's memory analysis (temporaries). The KV cache is donated, as
+in the generate loop, so it is counted once.
+
+FP8 (`quant="fp8"`): the linears and experts are float8_e4m3fn with a float32 scale per output
+channel; embeddings, lm_head, router and norms stay in the model dtype. Each layer dequantizes its
+own weights just before use (`quantized_weight` is the one place that decides what is quantized, so
+it can later point at the real quantization config). On GPU an FP8 GEMM reads the fp8 weights
+directly; on CPU XLA materialises one layer's dequantized copy, so CPU temp bytes over-count that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from maverick import kv_cache as kvc
+from maverick import model as model_lib
+from maverick import sampling
+from maverick import sharding
+from maverick.config import Config
+
+GB = 1e9
+# Usable HBM per device (decimal GB): DGX B200 lists 180 GB per GPU, H200 141 GB.
+DEVICES_HBM = {"B200": 180 * GB, "H200": 141 * GB}
+QUANTS = ("bf16", "fp8")
+FP8 = jnp.float8_e4m3fn
+SCALE_DTYPE = jnp.float32
+
+
+def quantized_weight(path: tuple, axes: tuple) -> tuple[int, ...] | None:
+  """For a weight quantized to FP8, the dims its per-output-channel scale reduces over (the
+  contracting dims); None when the weight stays in the model dtype."""
+  name = str(path[-1])
+  if "attn" in map(str, path) or (len(path) >= 2 and str(path[-2]) in ("ffn", "shared")
+                                  and name in ("gate", "up", "down")):
+    if axes[-1] == "embed":  # output projections: contract everything but experts and D
+      return tuple(i for i, a in enumerate(axes[:-1]) if a != "experts")
+    return tuple(i for i, a in enumerate(axes) if a == "embed")
+  return None
+
+
+@dataclasses.dataclass
+class Report:
+  name: str  # "decode step" or "speculative round"
+  weight_bytes: int  # per device: parameters (+ FP8 scales), target and draft
+  kv_bytes: int  # per device: target + draft KV caches
+  temp_bytes: int  # per device: XLA temporaries of the compiled step
+  argument_bytes: int  # per device, from the executable (weights + caches + small inputs)
+  output_bytes: int
+  alias_bytes: int  # outputs written in place of donated inputs (the caches)
+
+  @property
+  def total_bytes(self) -> int:
+    return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+  def fits(self, hbm: float) -> bool:
+    return self.total_bytes <= hbm
+
+
+def _key(path) -> str:
+  return "/".join(map(str, path))
+
+
+def _shard_bytes(sds: jax.ShapeDtypeStruct) -> int:
+  shape = sds.sharding.shard_shape(sds.shape) if sds.sharding is not None else sds.shape
+  return math.prod(shape) * jnp.dtype(sds.dtype).itemsize
+
+
+def abstract_state(module, plan: sharding.Plan, quant: str):
+  """(graphdef, state of sharded ShapeDtypeStructs, scales {path: sds}) for an abstract module."""
+  graphdef, state = nnx.split(module)
+  flat, scales = [], {}
+  for path, var in nnx.to_flat_state(state):
+    axes = var.get_metadata().get("logical_axes", (None,) * len(var.shape))
+    spec = plan.spec(axes)
+    sharding._check_param(path, var.shape, spec, plan)
+    dtype = var.dtype
+    reduce = quantized_weight(path, axes) if quant == "fp8" else None
+    if reduce is not None:
+      dtype = FP8
+      keep = [i for i in range(len(var.shape)) if i not in reduce]
+      scales[_key(path)] = jax.ShapeDtypeStruct(
+          tuple(var.shape[i] for i in keep), SCALE_DTYPE,
+          sharding=NamedSharding(plan.mesh, PartitionSpec(*(spec[i] for i in keep))))
+    sds = jax.ShapeDtypeStruct(var.shape, dtype, sharding=NamedSharding(plan.mesh, spec))
+    flat.append((path, var.replace(value=sds)))
+  return graphdef, nnx.from_flat_state(flat), scales
+
+
+def _dequantized(w, scale, path, axes, dtype):
+  shape = list(w.shape)
+  for i in quantized_weight(path, axes):
+    shape[i] = 1
+  return w.astype(dtype) * scale.reshape(shape).astype(dtype)
+
+
+def merge_quantized(graphdef, state, scales: dict, dtype):
+  """nnx.merge, then each decoder layer dequantizes its own FP8 weights when it runs. An
+  optimization barrier ties them to the layer's input, so XLA cannot dequantize every layer up front
+  (which would count a full model-dtype copy of the weights as temporaries)."""
+  model = nnx.merge(graphdef, state)
+  if not scales:
+    return model
+  pending: dict[int, list] = {}
+  for path, var in nnx.to_flat_state(state):
+    if _key(path) in scales:
+      layer = model.layers[int(path[1])]
+      node = layer
+      for p in path[2:]:
+        node = getattr(node, str(p))
+      pending.setdefault(id(layer), []).append(
+          (node, scales[_key(path)], path, var.get_metadata()["logical_axes"]))
+
+  base = type(model.layers[0])
+
+  class DequantizingLayer(base):
+    def __call__(self, x, *args, **kw):
+      entries = pending.pop(id(self), [])
+      if entries:
+        x, *ws = jax.lax.optimization_barrier((x, *[e[0].get_value() for e in entries]))
+        for (var, scale, path, axes), w in zip(entries, ws):
+          var.set_value(_dequantized(w, scale, path, axes, dtype))
+      return super().__call__(x, *args, **kw)
+
+  for layer in model.layers:
+    layer.__class__ = DequantizingLayer
+  return model
+
+
+def _cache_sds(cfg: Config, plan: sharding.Plan, batch: int, capacity: int, num_layers=None,
+               dtype=None):
+  abstract = jax.eval_shape(lambda: kvc.KVCache.init(cfg, batch, capacity, dtype=dtype,
+                                                     num_layers=num_layers))
+  row = plan.batch_axis(batch)
+  kv = NamedSharding(plan.mesh, PartitionSpec(row, None, plan.rules["kv_heads"], None))
+  lengths = NamedSharding(plan.mesh, PartitionSpec(row))
+  return kvc.KVCache(
+      k=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv) for x in abstract.k),
+      v=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv) for x in abstract.v),
+      lengths=jax.ShapeDtypeStruct(abstract.lengths.shape, jnp.int32, sharding=lengths))
+
+
+def _tree_bytes(tree) -> int:
+  return sum(_shard_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def _state_bytes(state) -> int:
+  return sum(_shard_bytes(v.get_value()) for _, v in nnx.to_flat_state(state))
+
+
+def _report(name, compiled, weight_bytes, kv_bytes) -> Report:
+  m = compiled.memory_analysis()
+  return Report(name, weight_bytes, kv_bytes, int(m.temp_size_in_bytes),
+                int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                int(m.alias_size_in_bytes))
+
+
+def plan_decode_step(cfg: Config, plan: sharding.Plan, *, batch: int, context: int,
+                     quant: str = "bf16") -> Report:
+  """One greedy decode step (T=1) against a KV cache of `context` positions."""
+  target = model_lib.abstract_model(cfg)
+  sharding.check_model_fits(cfg, plan)
+  sharding.attach_plan(target, plan)
+  graphdef, state, scales = abstract_state(target, plan, quant)
+  cache = _cache_sds(cfg, plan, batch, context)
+  tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
+                                sharding=NamedSharding(plan.mesh, PartitionSpec(
+                                    plan.batch_axis(batch), None)))
+  dt = jnp.dtype(cfg.dtype)
+
+  def step(state, scales, tokens, cache):
+    model = merge_quantized(graphdef, state, scales, dt)
+    out = model(tokens, cache=sharding.constrain_cache(cache, plan))
+    return jnp.argmax(out.logits[:, -1], -1), sharding.constrain_cache(out.cache, plan)
+
+  compiled = jax.jit(step, donate_argnums=3).lower(state, scales, tokens, cache).compile()
+  return _report("decode step", compiled, _state_bytes(state) + _tree_bytes(scales),
+                 _tree_bytes(cache))
+
+
+def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: int, k: int = 3,
+                    quant: str = "bf16", draft_config=None) -> Report:
+  """One EAGLE-3 round: target verify over K+1 tokens (capturing the aux features), draft extend
+  over the verified positions, K chained draft steps; greedy."""
+  from spec_decode import draft as draft_lib  # spec_decode depends on maverick, not the reverse
+  from spec_decode import speculative as spec
+  from spec_decode.verify import Candidates, chain_parents, verify_chain
+  dcfg = draft_config or draft_lib.Eagle3Config.for_target(cfg)
+  target = model_lib.abstract_model(cfg)
+  draft = draft_lib.abstract_draft(dcfg)
+  sharding.check_model_fits(cfg, plan)
+  sharding.check_model_fits(dcfg.layer, plan, "draft")
+  sharding.attach_plan(target, plan)
+  sharding.attach_plan(draft, plan)
+  tg, ts, tscales = abstract_state(target, plan, quant)
+  dg, ds, _ = abstract_state(draft, plan, "bf16")  # the draft head stays in the model dtype
+  cache = _cache_sds(cfg, plan, batch, context)
+  dcache = _cache_sds(dcfg.layer, plan, batch, context, num_layers=1)
+  rows = NamedSharding(plan.mesh, PartitionSpec(plan.batch_axis(batch)))
+  x0 = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+  cand_tokens = jax.ShapeDtypeStruct((batch, k), jnp.int32, sharding=NamedSharding(
+      plan.mesh, PartitionSpec(plan.batch_axis(batch), None)))
+  dt = jnp.dtype(cfg.dtype)
+  V = cfg.vocab_size
+
+  def round_(ts, tscales, ds, x0, cand_tokens, cache, dcache):
+    target = merge_quantized(tg, ts, tscales, dt)
+    draft = nnx.merge(dg, ds)
+    params = sampling.SamplingParams(jnp.zeros((batch,)), jnp.zeros((batch,), jnp.int32),
+                                     jnp.ones((batch,)))
+    key = jax.random.key(0)
+    L = cache.lengths
+    # Greedy candidates are one-hot: their probabilities only matter through the token ids.
+    cand = Candidates(cand_tokens, jax.nn.one_hot(cand_tokens, V, dtype=jnp.float32),
+                           chain_parents(k))
+    tokens = jnp.concatenate([x0[:, None], cand_tokens], axis=1)
+    out = target(tokens, cache=sharding.constrain_cache(cache, plan),
+                 capture_layers=dcfg.aux_layer_ids)
+    n, nxt = verify_chain(out.logits, cand, params, key)
+    emitted = jnp.concatenate([cand_tokens, nxt[:, None]], axis=1)
+    dout = draft(emitted, draft.fuse(spec._features(out.hidden)), target.embed[...],
+                 cache=sharding.constrain_cache(dcache, plan).with_lengths(L), logits_at=n)
+    new, dcache = spec.draft_chain(draft, dout.logits, dout.hidden, dout.cache, L + n + 1,
+                                   target.embed[...], params, key, k=k, vocab=V)
+    return (n, nxt, new.tokens, sharding.constrain_cache(out.cache, plan),
+            sharding.constrain_cache(dcache, plan))
+
+  compiled = jax.jit(round_, donate_argnums=(5, 6)).lower(
+      ts, tscales, ds, x0, cand_tokens, cache, dcache).compile()
+  weights = _state_bytes(ts) + _tree_bytes(tscales) + _state_bytes(ds)
+  return _report("speculative round", compiled, weights, _tree_bytes(cache) + _tree_bytes(dcache))
+
+
+def format_reports(title: str, reports, hbm=DEVICES_HBM) -> str:
+  gb = lambda b: f"{b / GB:8.2f}"
+  lines = [title,
+           f"{'program':<18} {'weights GB':>10} {'KV GB':>8} {'temp GB':>8} {'total GB':>9}  "
+           + "  ".join(f"fits {d} ({h / GB:.0f} GB)" for d, h in hbm.items())]
+  for r in reports:
+    fits = "  ".join(f"{('yes' if r.fits(h) else 'NO'):>{len(f'fits {d} ({h / GB:.0f} GB)')}}"
+                     for d, h in hbm.items())
+    lines.append(f"{r.name:<18} {gb(r.weight_bytes):>10} {gb(r.kv_bytes):>8} "
+                 f"{gb(r.temp_bytes):>8} {gb(r.total_bytes):>9}  {fits}")
+  return "\n".join(lines)

@@ -1,0 +1,128 @@
+"""Plans per-device memory of the full-size decode step and speculative round on a device mesh.
+
+Lowers and compiles the real programs with ShapeDtypeStruct inputs (no weights allocated), on fake
+CPU devices when no accelerator is present, and prints per-device weight, KV-cache and temporary
+bytes and whether they fit a B200 (180 GB) / H200 (141 GB).
+
+Examples:
+  python scripts/plan_memory.py --config maverick --mesh 8 --quant fp8 --context 131072 --batch 8
+  python scripts/plan_memory.py --config scout --mesh 4 --quant fp8 --context 131072 --batch 8
+  python scripts/plan_memory.py --config maverick --mesh 8 --layout ep --tensor 1 --quant bf16
+"""
+
+import os
+import sys
+
+
+def _devices_needed(argv) -> int:
+  """Parsed before jax is imported: fake CPU devices must be requested up front."""
+  def value(name, default):
+    for i, a in enumerate(argv):
+      if a.startswith(f"--{name}="):
+        return a.split("=", 1)[1]
+      if a == f"--{name}" and i + 1 < len(argv):
+        return argv[i + 1]
+    return default
+  try:
+    return int(value("mesh", 8)) * int(value("data", 1))
+  except ValueError:
+    return 8  # absl reports the bad flag
+
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                             f"device_count={max(1, _devices_needed(sys.argv))}").strip()
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from maverick import cli  # noqa: E402
+
+_CONFIG = flags.DEFINE_string("config", "maverick", "Model preset (maverick, scout, tiny, ...) or "
+                              "a Hugging Face config.json / directory.")
+_MESH = flags.DEFINE_integer("mesh", 8, "Model-parallel devices (tensor x expert).")
+_DATA = flags.DEFINE_integer("data", 1, "Data-parallel replicas (batch split over them).")
+_LAYOUT = flags.DEFINE_enum("layout", "tp", ["tp", "ep"], "tp: every expert split over all "
+                            "devices (min latency); ep: experts spread over devices (throughput).")
+_TENSOR = flags.DEFINE_integer("tensor", None, "With --layout ep: tensor-parallel size inside "
+                               "each expert group (default 1: --mesh devices all on experts).")
+_QUANT = flags.DEFINE_enum("quant", "fp8", ["bf16", "fp8"], "Weight format of linears/experts.")
+_CONTEXT = flags.DEFINE_integer("context", 131072, "KV cache positions per sequence.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded together.")
+_SPEC_K = flags.DEFINE_integer("spec_k", 3, "Draft tokens per speculative round (0: no round).")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Model (activation, KV, non-quantized) dtype.")
+_JSON = flags.DEFINE_string("json_out", None, "Also write the numbers to this JSON file.")
+
+
+def _config():
+  from maverick import config as config_lib
+  name = _CONFIG.value
+  if name in config_lib.PRESETS:
+    return config_lib.preset(name).replace(dtype=_DTYPE.value)
+  if os.path.exists(name):
+    return config_lib.from_hf(name, dtype=_DTYPE.value)
+  raise cli.UsageError(f"--config {name!r} is neither a preset ({', '.join(config_lib.PRESETS)}) "
+                       "nor a Hugging Face config path")
+
+
+def run() -> str:
+  import dataclasses
+  import json
+
+  import jax
+
+  from maverick import memory_plan
+  from maverick import sharding
+
+  for name, v in (("mesh", _MESH.value), ("data", _DATA.value), ("context", _CONTEXT.value),
+                  ("batch", _BATCH.value)):
+    if v < 1:
+      raise cli.UsageError(f"--{name} must be >= 1, got {v}")
+  if _SPEC_K.value < 0:
+    raise cli.UsageError(f"--spec_k must be >= 0, got {_SPEC_K.value}")
+  cfg = _config()
+  n = _MESH.value
+  if _LAYOUT.value == "tp":
+    if _TENSOR.value not in (None, n):
+      raise cli.UsageError("--tensor is for --layout ep; with tp all --mesh devices are tensor")
+    sizes = dict(tensor=n)
+  else:
+    t = _TENSOR.value or 1
+    if n % t:
+      raise cli.UsageError(f"--tensor {t} does not divide --mesh {n}")
+    sizes = dict(expert=n // t, tensor=t)
+  needed = n * _DATA.value
+  if needed > jax.device_count():
+    raise cli.UsageError(f"the mesh needs {needed} devices, {jax.device_count()} are present")
+  mesh = sharding.make_mesh(data=_DATA.value, devices=jax.devices()[:needed], **sizes)
+  plan = sharding.Plan(mesh, _LAYOUT.value)
+  kw = dict(batch=_BATCH.value, context=_CONTEXT.value, quant=_QUANT.value)
+  reports = [memory_plan.plan_decode_step(cfg, plan, **kw)]
+  if _SPEC_K.value:
+    reports.append(memory_plan.plan_spec_round(cfg, plan, k=_SPEC_K.value, **kw))
+  mesh_desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
+  title = (f"{_CONFIG.value} {_QUANT.value}, layout {_LAYOUT.value} ({mesh_desc}), context "
+           f"{_CONTEXT.value} x batch {_BATCH.value}, per device:")
+  text = memory_plan.format_reports(title, reports)
+  if _JSON.value:
+    cli.write_atomic(_JSON.value, json.dumps({
+        "config": _CONFIG.value, "layout": _LAYOUT.value, "mesh": dict(mesh.shape),
+        "quant": _QUANT.value, "context": _CONTEXT.value, "batch": _BATCH.value,
+        "reports": [dict(dataclasses.asdict(r), total_bytes=r.total_bytes) for r in reports]},
+        indent=1))
+  return text
+
+
+def main(argv):
+  cli.start(argv)
+  from maverick import sharding
+  try:
+    print(run())
+  except (cli.UsageError, sharding.ShardingError) as e:
+    sys.exit(cli.fail("plan_memory.py", e))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,88 @@
+"""scripts/plan_memory.py on a reduced config: compiled per-device numbers agree with real sharded
+arrays and the KV-cache formula; bad input."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from maverick import config as config_lib
+from maverick import memory_plan
+from maverick import model as model_lib
+from maverick import sharding
+
+SCRIPT = pathlib.Path(__file__).parent.parent / "scripts" / "plan_memory.py"
+
+
+def _device0_bytes(model) -> int:
+  """Bytes of the model's real arrays that live on the first device."""
+  from flax import nnx
+  _, state = nnx.split(model)
+  total = 0
+  for _, var in nnx.to_flat_state(state):
+    shard = var.get_value().addressable_shards[0]
+    total += shard.data.nbytes
+  return total
+
+
+def test_bytes_match_real_sharded_arrays():
+  cfg = config_lib.tiny(dtype="bfloat16")
+  plan = sharding.Plan(sharding.make_mesh(data=4, tensor=2), "tp")
+  B, S = 8, 256
+  r = memory_plan.plan_decode_step(cfg, plan, batch=B, context=S, quant="bf16")
+  real = sharding.shard_model(model_lib.init_model(cfg), plan.mesh, "tp")
+  assert r.weight_bytes == _device0_bytes(real)
+  # K and V, every layer, rows over data=4, KV heads over tensor=2, bf16; plus lengths [B/4] int32.
+  kv = 2 * cfg.num_hidden_layers * (B // 4) * S * (cfg.num_key_value_heads // 2) * cfg.head_dim * 2
+  assert r.kv_bytes == kv + (B // 4) * 4
+  assert r.argument_bytes >= r.weight_bytes + kv
+  assert r.alias_bytes >= kv  # the cache is updated in place
+  assert 0 < r.temp_bytes < r.weight_bytes + kv
+
+
+def test_fp8_weights_take_a_byte_plus_scales():
+  cfg = config_lib.tiny(dtype="bfloat16")
+  plan = sharding.Plan(sharding.make_mesh(tensor=2, devices=jax.devices()[:2]), "tp")
+  bf16 = memory_plan.plan_decode_step(cfg, plan, batch=2, context=64, quant="bf16")
+  fp8 = memory_plan.plan_decode_step(cfg, plan, batch=2, context=64, quant="fp8")
+  D, V, E, L = cfg.hidden_size, cfg.vocab_size, cfg.num_local_experts, cfg.num_hidden_layers
+  # Kept in bf16: embed and lm_head (vocab over tensor=2), norms and routers (replicated).
+  kept = 2 * (2 * V * D // 2 + (2 * L + 1) * D + len(cfg.moe_layers) * D * E)
+  quantized_bf16 = bf16.weight_bytes - kept
+  scales = fp8.weight_bytes - kept - quantized_bf16 // 2
+  assert 0 < scales < 0.1 * quantized_bf16  # one f32 per output channel
+
+
+def _run(*args):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_script_reduced_config(tmp_path):
+  out = tmp_path / "plan.json"
+  p = _run("--config", "tiny", "--mesh", "2", "--data", "2", "--quant", "fp8", "--context",
+           "512", "--batch", "4", "--spec_k", "2", "--json_out", str(out))
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert "decode step" in p.stdout and "speculative round" in p.stdout
+  assert "fits B200 (180 GB)" in p.stdout and "fits H200 (141 GB)" in p.stdout
+  data = json.loads(out.read_text())
+  assert data["mesh"] == {"data": 2, "expert": 1, "tensor": 2}
+  assert [r["name"] for r in data["reports"]] == ["decode step", "speculative round"]
+  assert all(r["total_bytes"] > r["kv_bytes"] > 0 for r in data["reports"])
+
+
+@pytest.mark.parametrize("args,match", [
+    (("--config", "tiny", "--mesh", "8"), "num_attention_heads=4 is not divisible"),
+    (("--config", "nope"), "neither a preset"),
+    (("--config", "tiny", "--mesh", "2", "--layout", "ep", "--tensor", "3"), "does not divide"),
+])
+def test_script_bad_input(args, match):
+  p = _run(*args, "--context", "64", "--batch", "2", "--spec_k", "0")
+  assert p.returncode == 1 and match in p.stderr, p.stderr[-2000:]
+  assert "Traceback" not in p.stderr
