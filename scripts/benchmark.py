@@ -12,11 +12,12 @@ K = 0 measured in the same run, and compile time apart.
 
 How it measures (two phases, so compilation never lands in a timed region):
   1. compile: one warm-up call per configuration compiles its program (the compile seconds come from
-     the library, which compiles ahead of the call) and the one-token program used for TTFT;
+     the library, which compiles ahead of the call);
   2. timed: each configuration runs its --num_prompts held-out prompts (in batches of the batch
      size) --repeats times; the median wall time of a pass gives tokens/s. Stop tokens are off, so
-     every row generates exactly the output length. TTFT is the median latency of a call that
-     generates one token (prefill + first token: what a streaming caller waits for).
+     every row generates exactly the output length. TTFT is the median latency of a call with the
+     same program in which every row stops at its first token (prefill + first token: what a
+     streaming caller waits for).
      --profile_dir traces this phase only.
 Prompts are the first N tokens of held-out Python stdlib files (the validation split the embedded
 model never trained on). Writes <out_dir>/benchmark_<device>.{json,md} and two PNG plots.
@@ -132,18 +133,19 @@ def draft_shapes(ks, trees) -> list[DraftShape]:
 
 
 def make_runner(shape: DraftShape, target, draft, **kw):
-  """fn(prompts, max_new_tokens) -> Generation for one draft shape."""
+  """fn(prompts, max_new_tokens, stop_tokens=()) -> Generation for one draft shape."""
   import maverick
   import spec_decode
   if shape.k == 0:
-    return lambda prompts, n: maverick.generate(target, prompts, max_new_tokens=n, **kw)
+    return lambda prompts, n, stop=(): maverick.generate(target, prompts, max_new_tokens=n,
+                                                         stop_tokens=stop, **kw)
   if draft is None:
     raise cli.UsageError(f"{shape.label} needs a draft head and {_CHECKPOINT.value!r} has no "
                          "embedded one: pass --draft, or --ks 0 to time plain decoding only")
   if shape.is_tree:
     return tree_runner(shape, target, draft, **kw)
-  return lambda prompts, n: spec_decode.generate(target, draft, prompts, k=shape.k,
-                                                 max_new_tokens=n, **kw)
+  return lambda prompts, n, stop=(): spec_decode.generate(target, draft, prompts, k=shape.k,
+                                                          max_new_tokens=n, stop_tokens=stop, **kw)
 
 
 def tree_runner(shape: DraftShape, target, draft, **kw):
@@ -154,8 +156,8 @@ def tree_runner(shape: DraftShape, target, draft, **kw):
         f"{shape.label}: tree drafting is not available in this version of spec_decode; drop "
         "--trees (chains: --ks)")
   tree = spec_decode.TreeShape(depth=shape.k, topk=shape.topk, nodes=shape.nodes)
-  return lambda prompts, n: spec_decode.generate(target, draft, prompts, tree=tree,
-                                                 max_new_tokens=n, **kw)
+  return lambda prompts, n, stop=(): spec_decode.generate(target, draft, prompts, tree=tree,
+                                                          max_new_tokens=n, stop_tokens=stop, **kw)
 
 
 def held_out_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
@@ -192,14 +194,22 @@ def _median_pass(fn, groups, n, repeats):
   return statistics.median(times), outs
 
 
-def _median_call(fn, groups, n, repeats):
-  """Median latency of one call over all groups and repeats."""
+def _median_first_token(fn, groups, outs, n, repeats):
+  """Median latency of a call that stops every row after its first token.
+
+  It reuses the compiled program of the timed run: each row's stop token is the first token that
+  run produced (deterministic for a seed), so the call is prefill + first token and its loop exits
+  at once. No second program, no second compile."""
   times = []
+  stops = [[[row[0]] for row in o.tokens] for o in outs]
   for _ in range(repeats):
-    for g in groups:
+    for g, stop in zip(groups, stops):
       start = time.perf_counter()
-      fn(g, n)
+      out = fn(g, n, stop)
       times.append(time.perf_counter() - start)
+      if out.compile_seconds or int(out.num_tokens.max()) != 1:
+        raise RuntimeError("the time-to-first-token call did not stop after one token with the "
+                           "timed run's program; is generation deterministic for a seed?")
   return statistics.median(times)
 
 
@@ -207,7 +217,7 @@ def run_sweep(configs, loaded, draft, *, num_prompts, repeats, temperature, seed
               profile_dir=None) -> list[dict]:
   import jax
   from tqdm import tqdm
-  kw = dict(temperature=temperature, seed=seed, stop_tokens=[])
+  kw = dict(temperature=temperature, seed=seed)  # no stop tokens: every row runs to the end
   runners = {s: make_runner(s, loaded.model, draft, **kw) for s in {c.shape for c in configs}}
   if max(c.batch for c in configs) > num_prompts:
     raise cli.UsageError(f"--num_prompts {num_prompts} is smaller than the largest batch size "
@@ -222,11 +232,9 @@ def run_sweep(configs, loaded, draft, *, num_prompts, repeats, temperature, seed
   rows = []
   for c in tqdm(configs, desc="compiling", disable=not progress):
     first = runners[c.shape](groups(c)[0], c.output_len)
-    ttft = runners[c.shape](groups(c)[0], 1)
     rows.append({"batch": c.batch, "prompt_len": c.prompt_len, "output_len": c.output_len,
                  "draft": c.shape.label, "draft_shape": c.shape.to_json(),
-                 "compile_seconds": first.compile_seconds,
-                 "ttft_compile_seconds": ttft.compile_seconds})
+                 "compile_seconds": first.compile_seconds})
 
   if profile_dir:
     jax.profiler.start_trace(profile_dir)
@@ -234,7 +242,7 @@ def run_sweep(configs, loaded, draft, *, num_prompts, repeats, temperature, seed
     for c, row in zip(tqdm(configs, desc="timing", disable=not progress), rows):
       fn = runners[c.shape]
       seconds, outs = _median_pass(fn, groups(c), c.output_len, repeats)
-      ttft_seconds = _median_call(fn, groups(c), 1, repeats)
+      ttft_seconds = _median_first_token(fn, groups(c), outs, c.output_len, repeats)
       tokens = sum(int(o.num_tokens.sum()) for o in outs)
       row.update(tokens=tokens, seconds=seconds, tokens_per_second=tokens / seconds,
                  tokens_per_second_per_user=tokens / seconds / c.batch, ttft_seconds=ttft_seconds)
