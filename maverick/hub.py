@@ -45,13 +45,14 @@ def resolve(source: str, *, revision: str | None = None, cache_dir: str | None =
                                              library_name="maverick-jax", **kw)
   except errors.LocalEntryNotFoundError:
     raise CheckpointError(
-        f"{source!r} is not in the Hugging Face cache and downloading is off (HF_HUB_OFFLINE=1 or "
-        "no network); download it once online, or pass a local directory") from None
+        f"{source!r} is neither a local directory nor a Hugging Face repo in the cache, and "
+        "downloading is off (HF_HUB_OFFLINE=1 or no network); check the path, or download the repo "
+        "once online") from None
   except errors.GatedRepoError:
     raise CheckpointError(f"{source!r} is a gated repo: accept its license on huggingface.co, then "
                           "log in (hf auth login) or set HF_TOKEN") from None
   except errors.RepositoryNotFoundError:
-    raise CheckpointError(f"no Hugging Face repo {source!r} (or it is private: log in with hf auth "
-                          "login); check the spelling, or pass a local directory") from None
+    raise CheckpointError(f"{source!r} is neither a local directory nor a Hugging Face repo (or the "
+                          "repo is private: log in with hf auth login); check the spelling") from None
   except errors.RevisionNotFoundError:
     raise CheckpointError(f"{source!r} has no revision {revision!r}") from None

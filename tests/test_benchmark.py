@@ -60,6 +60,18 @@ def test_tiny_sweep_writes_json_table_plots_and_profile(tmp_path):
   assert list(prof.glob("plugins/profile/*/*.xplane.pb")), "no profiler trace written"
 
 
+@pytest.mark.skipif(not hasattr(spec_decode, "TreeShape"), reason="no tree drafting in spec_decode")
+def test_tree_shapes_are_swept(tmp_path):
+  r = _run("--ks=0", "--trees=3x2x4", "--batch_sizes=1", "--prompt_lens=16", "--output_lens=16",
+           "--num_prompts=1", "--repeats=1", f"--out_dir={tmp_path}")
+  assert r.returncode == 0, r.stderr
+  rows = json.loads((tmp_path / "benchmark_cpu.json").read_text())["rows"]
+  tree = next(x for x in rows if x["draft"] == "tree 3x2x4")
+  assert tree["draft_shape"] == {"kind": "tree", "depth": 3, "topk": 2, "nodes": 4}
+  assert len(tree["per_position_acceptance"]) == 3  # one rate per tree level
+  assert 1.0 <= tree["acceptance_length"] <= 4.0
+
+
 @pytest.mark.parametrize("args,words", [
     (["--batch_sizes=0"], "--batch_sizes: 0 must be >= 1"),
     (["--batch_sizes=4", "--num_prompts=2", "--ks=0"], "raise --num_prompts"),

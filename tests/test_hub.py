@@ -51,7 +51,7 @@ def test_resolves_offline_from_cache(hub_cache, hf_fixture_dir):
 
 
 def test_not_cached_offline_is_a_clear_error(hub_cache):
-  with pytest.raises(CheckpointError, match="not in the Hugging Face cache"):
+  with pytest.raises(CheckpointError, match="nor a Hugging Face repo in the cache"):
     hub.resolve("test-org/absent", cache_dir=str(hub_cache), local_files_only=True)
 
 
@@ -75,4 +75,5 @@ def test_repo_id_through_hf_env_and_cli_error(hub_cache):
                       "--checkpoint=test-org/absent", "--prompt=x"], cwd=REPO, env=env,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 1 and "Traceback" not in r.stderr
-  assert "generate: error: 'test-org/absent' is not in the Hugging Face cache" in r.stderr
+  assert ("generate: error: 'test-org/absent' is neither a local directory nor a Hugging Face "
+          "repo in the cache") in r.stderr
