@@ -8,7 +8,7 @@ Examples:
       --prompt "Write a haiku about JAX"        # a Hugging Face repo id (needs huggingface_hub)
 
 Prints each continuation, then compile time and generation speed (tokens/s, compile excluded).
-With --stream, prints tokens as they come, then time to first token and the overall speed.
+With --stream, prints tokens as they come, then the time to the first output and the overall speed.
 """
 
 import os
@@ -80,7 +80,7 @@ def _read_prompts() -> list[str]:
   return prompts
 
 
-def _stream(loaded, text, prompt, draft, kw) -> int:
+def _stream(loaded, text, prompt, draft, note, kw) -> int:
   """Prints the continuation chunk by chunk, then one stats line."""
   from maverick import streaming
   tok, stops = loaded.tokenizer, set(loaded.stop_tokens)
@@ -105,12 +105,14 @@ def _stream(loaded, text, prompt, draft, kw) -> int:
   total = sum(c.seconds for c in chunks)
   compile_s = sum(c.output.compile_seconds for c in chunks)
   print(f"[{loaded.source}] streamed {n} new tokens in {len(chunks)} device calls of <= "
-        f"{_STREAM_CHUNK.value} | first token after {chunks[0].seconds:.2f} s | total {total:.2f} s "
-        f"(compile {compile_s:.2f} s) = {n / max(total - compile_s, 1e-9):.1f} tokens/s without "
-        "compile")
+        f"{_STREAM_CHUNK.value} | first output after {chunks[0].seconds:.2f} s | total "
+        f"{total:.2f} s (compile {compile_s:.2f} s) = {n / max(total - compile_s, 1e-9):.1f} "
+        "tokens/s without compile")
   if draft is not None:
-    print(f"speculative K={_SPEC_K.value}: acceptance length {spec_tokens / max(spec_rounds, 1):.2f}"
-          " tokens per verify step")
+    al = spec_tokens / max(spec_rounds, 1)
+    print(f"speculative K={_SPEC_K.value}: acceptance length {al:.2f} tokens per verify step")
+  elif note:
+    print(note)
   return 0
 
 
@@ -155,7 +157,7 @@ def main(argv):
       if len(prompts) != 1:
         raise ValueError("--stream prints one prompt's tokens as they come: pass --prompt, not a "
                          "--batch_file with several prompts")
-      return _stream(loaded, texts[0], prompts[0], draft, kw)
+      return _stream(loaded, texts[0], prompts[0], draft, note, kw)
     if draft is None:
       out = generate(loaded.model, prompts, **kw)
     else:

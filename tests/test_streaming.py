@@ -63,7 +63,7 @@ def test_cli_stream_prints_the_same_text(tmp_path):
   assert streamed.returncode == 0 and whole.returncode == 0, streamed.stderr + whole.stderr
   text = lambda r: [l for l in r.stdout.splitlines() if not l.startswith(("[", "speculative"))]
   assert text(streamed) == text(whole)
-  assert "device calls of <= 8 | first token after" in streamed.stdout
+  assert "device calls of <= 8 | first output after" in streamed.stdout
   assert "speculative K=3: acceptance length" in streamed.stdout
   batch = tmp_path / "two.txt"
   batch.write_text("a = 1\nb = 2\n")
