@@ -4,7 +4,7 @@ Examples:
   python scripts/generate.py --prompt "def fibonacci(n):"
   python scripts/generate.py --checkpoint /ckpt/scout --prompt "Hello" --temperature 0.6 --top_p 0.9
   python scripts/generate.py --checkpoint /ckpt/scout --batch_file prompts.txt --max_new_tokens 128
-  python scripts/generate.py --checkpoint meta-llama/Llama-4-Scout-17B-16E-Instruct --chat --stream \
+  python scripts/generate.py --checkpoint meta-llama/Llama-4-Scout-17B-16E-Instruct --chat --stream \\
       --prompt "Write a haiku about JAX"        # a Hugging Face repo id (needs huggingface_hub)
 
 Prints each continuation, then compile time and generation speed (tokens/s, compile excluded).
