@@ -32,11 +32,12 @@ class Chunk:
 
 
 def stream(model, prompt: Sequence[int], *, chunk_tokens: int = 16, max_new_tokens: int = 64,
-           draft=None, k: int = 3, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           seed: int = 0, stop_tokens: Sequence[int] | None = None,
+           draft=None, k: int = 3, tree=None, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
            max_cache_len: int | None = None) -> Iterator[Chunk]:
   """Yields the continuation of ONE prompt chunk by chunk; speculative when `draft` is given
-  (an EAGLE-3 draft head, `k` tokens per round). Arguments as for `maverick.generate`."""
+  (an EAGLE-3 draft head, `k` tokens per round, or a draft `tree` shape where spec_decode has
+  tree drafting). Arguments as for `maverick.generate`."""
   from maverick import generate as plain
   if chunk_tokens < 1:
     raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -55,8 +56,9 @@ def stream(model, prompt: Sequence[int], *, chunk_tokens: int = 16, max_new_toke
       out = plain.generate(model, [context], max_new_tokens=n, seed=(seed + i) % 2**32, **kw)
     else:
       import spec_decode  # sibling package, only when speculating
+      shape = {} if tree is None else {"tree": tree}
       out = spec_decode.generate(model, draft, [context], k=k, max_new_tokens=n,
-                                 seed=(seed + i) % 2**32, **kw)
+                                 seed=(seed + i) % 2**32, **shape, **kw)
     new = out.tokens[0]
     produced += len(new)
     context += new

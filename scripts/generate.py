@@ -80,42 +80,6 @@ def _read_prompts() -> list[str]:
   return prompts
 
 
-def _stream(loaded, text, prompt, draft, note, kw) -> int:
-  """Prints the continuation chunk by chunk, then one stats line."""
-  from maverick import streaming
-  tok, stops = loaded.tokenizer, set(loaded.stop_tokens)
-  print(f"--- {text}")
-  print(text, end="", flush=True)
-  new, shown, chunks, spec_rounds, spec_tokens = [], "", [], 0, 0
-  for chunk in streaming.stream(loaded.model, prompt, chunk_tokens=_STREAM_CHUNK.value,
-                                draft=draft, k=_SPEC_K.value, **kw):
-    chunks.append(chunk)
-    new += [t for t in chunk.tokens if t not in stops]
-    decoded = tok.decode(new)
-    if not chunk.done:  # a multi-byte character may be cut at a chunk boundary: hold it back
-      decoded = decoded.rstrip("\ufffd")
-    if decoded.startswith(shown):
-      print(decoded[len(shown):], end="", flush=True)
-      shown = decoded
-    if draft is not None:
-      spec_rounds += int(chunk.output.rounds.sum())
-      spec_tokens += int(chunk.output.accepted.sum())
-  print()
-  n = sum(len(c.tokens) for c in chunks)
-  total = sum(c.seconds for c in chunks)
-  compile_s = sum(c.output.compile_seconds for c in chunks)
-  print(f"[{loaded.source}] streamed {n} new tokens in {len(chunks)} device calls of <= "
-        f"{_STREAM_CHUNK.value} | first output after {chunks[0].seconds:.2f} s | total "
-        f"{total:.2f} s (compile {compile_s:.2f} s) = {n / max(total - compile_s, 1e-9):.1f} "
-        "tokens/s without compile")
-  if draft is not None:
-    al = spec_tokens / max(spec_rounds, 1)
-    print(f"speculative K={_SPEC_K.value}: acceptance length {al:.2f} tokens per verify step")
-  elif note:
-    print(note)
-  return 0
-
-
 def main(argv):
   try:
     cli.start(argv)
@@ -180,6 +144,42 @@ def main(argv):
     rates = " ".join(f"{r:.2f}" for r in out.acceptance_rates)
     print(f"speculative K={_SPEC_K.value}: acceptance length {out.acceptance_length:.2f} tokens per "
           f"verify step; per-position acceptance {rates}")
+  elif note:
+    print(note)
+  return 0
+
+
+def _stream(loaded, text, prompt, draft, note, kw) -> int:
+  """Prints the continuation chunk by chunk, then one stats line."""
+  from maverick import streaming
+  tok, stops = loaded.tokenizer, set(loaded.stop_tokens)
+  print(f"--- {text}")
+  print(text, end="", flush=True)
+  new, shown, chunks, spec_rounds, spec_tokens = [], "", [], 0, 0
+  for chunk in streaming.stream(loaded.model, prompt, chunk_tokens=_STREAM_CHUNK.value,
+                                draft=draft, k=_SPEC_K.value, **kw):
+    chunks.append(chunk)
+    new += [t for t in chunk.tokens if t not in stops]
+    decoded = tok.decode(new)
+    if not chunk.done:  # a multi-byte character may be cut at a chunk boundary: hold it back
+      decoded = decoded.rstrip("\ufffd")
+    if decoded.startswith(shown):
+      print(decoded[len(shown):], end="", flush=True)
+      shown = decoded
+    if draft is not None:
+      spec_rounds += int(chunk.output.rounds.sum())
+      spec_tokens += int(chunk.output.accepted.sum())
+  print()
+  n = sum(len(c.tokens) for c in chunks)
+  total = sum(c.seconds for c in chunks)
+  compile_s = sum(c.output.compile_seconds for c in chunks)
+  print(f"[{loaded.source}] streamed {n} new tokens in {len(chunks)} device calls of <= "
+        f"{_STREAM_CHUNK.value} | first output after {chunks[0].seconds:.2f} s | total "
+        f"{total:.2f} s (compile {compile_s:.2f} s) = {n / max(total - compile_s, 1e-9):.1f} "
+        "tokens/s without compile")
+  if draft is not None:
+    al = spec_tokens / max(spec_rounds, 1)
+    print(f"speculative K={_SPEC_K.value}: acceptance length {al:.2f} tokens per verify step")
   elif note:
     print(note)
   return 0

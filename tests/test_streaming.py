@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import spec_decode
 from maverick import streaming
 from spec_decode import draft as draft_lib
 
@@ -30,6 +31,15 @@ def test_stream_equals_hf_greedy(fixture_model, random_draft, hf_fixture, specul
   assert sum((c.tokens for c in chunks), []) == greedy[:20]
   if speculative:
     assert all(c.output.acceptance_length >= 1.0 for c in chunks)
+
+
+@pytest.mark.skipif(not hasattr(spec_decode, "TreeShape"), reason="no tree drafting in spec_decode")
+def test_stream_with_tree_draft_equals_hf_greedy(fixture_model, random_draft, hf_fixture):
+  prompt, greedy = hf_fixture["inputs"][0].tolist(), hf_fixture["greedy"].tolist()
+  chunks = streaming.stream(fixture_model, prompt, chunk_tokens=8, max_new_tokens=16,
+                            draft=random_draft, tree=spec_decode.TreeShape(3, 2, 4),
+                            stop_tokens=[])
+  assert [t for c in chunks for t in c.tokens] == greedy[:16]
 
 
 def test_stream_stops_on_stop_token(fixture_model, hf_fixture):
