@@ -1,15 +1,21 @@
 """maverick-jax: Llama 4 inference in JAX.
 
-    import maverick
-    loaded = maverick.load()                 # the embedded model; or a converted / HF directory
-    from maverick.generate import generate
-    out = generate(loaded.model, [loaded.tokenizer.encode("def f(x):")], max_new_tokens=32)
+The public surface is small:
 
-Speculative decoding lives in the sibling package `spec_decode`.
+    import maverick, spec_decode
+    loaded = maverick.load()                 # embedded model; a converted / HF dir; an HF repo id
+    prompts = [loaded.tokenizer.encode("def f(x):")]
+    out = maverick.generate(loaded.model, prompts, max_new_tokens=32)      # plain decoding
+    draft = spec_decode.load_draft("tiny", loaded.model)
+    out = spec_decode.generate(loaded.model, draft, prompts, k=3)          # EAGLE-3 speculative
+
+`maverick.generate` is both the generation module (`maverick.generate.prepare`, ...) and callable as
+the function `maverick.generate.generate`. Kernels live in `pallas_kernels`, speculative decoding in
+`spec_decode`. Importing `maverick` does not import jax (CLI --help stays instant).
 """
 
 __version__ = "0.1.0"
-__all__ = ["Config", "Loaded", "load"]
+__all__ = ["Config", "Loaded", "generate", "load"]
 
 
 def __getattr__(name):
@@ -20,4 +26,7 @@ def __getattr__(name):
   if name in ("Loaded", "load"):
     from maverick import loading
     return getattr(loading, name)
+  if name == "generate":
+    import importlib
+    return importlib.import_module("maverick.generate")  # a callable module (see its end)
   raise AttributeError(f"module 'maverick' has no attribute {name!r}")

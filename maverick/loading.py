@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from maverick import config as config_lib
+from maverick import hub
 from maverick import model as model_lib
 from maverick import sharding as sharding_lib
 from maverick import tokenizer as tokenizer_lib
@@ -48,6 +49,8 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
       (maverick/assets/tiny, see its MODEL_CARD.md),
     - a directory converted by scripts/convert_hf.py (holds maverick.json),
     - a Hugging Face Llama 4 directory (config.json + safetensors), read directly,
+    - a Hugging Face repo id ("meta-llama/Llama-4-Scout-17B-16E-Instruct"): resolved through the HF
+      cache, downloading if needed (needs huggingface_hub; see maverick.hub),
     - "random:<preset>" (e.g. "random:tiny"): random weights of a preset config with a byte-level
       tokenizer, for smoke tests and benchmarks of shapes; its text output is meaningless.
 
@@ -84,9 +87,11 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout) -> Loaded:
       raise ValueError(f"preset {name!r} has vocab_size {cfg.vocab_size} < {tok.vocab_size} "
                        "needed by the byte tokenizer of random models")
     return Loaded(model_lib.init_model(cfg, seed=seed, moe_impl=moe_impl), tok, source)
+  source = hub.resolve(source)  # a Hugging Face repo id -> its snapshot in the HF cache
   if not os.path.isdir(source):
     raise FileNotFoundError(f"checkpoint {source!r} is not a directory; pass {DEFAULT_MODEL!r} "
-                            "(embedded), a converted checkpoint, a Hugging Face Llama 4 directory, "
+                            "(embedded), a converted checkpoint, a Hugging Face Llama 4 directory "
+                            "or repo id (owner/name), "
                             f"or random:<preset> (presets: {', '.join(sorted(config_lib.PRESETS))})")
   if store.is_orbax_checkpoint(source) and mesh is not None:
     model = store.load_orbax_sharded(source, mesh, layout, dtype=dtype, moe_impl=moe_impl)

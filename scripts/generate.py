@@ -4,8 +4,11 @@ Examples:
   python scripts/generate.py --prompt "def fibonacci(n):"
   python scripts/generate.py --checkpoint /ckpt/scout --prompt "Hello" --temperature 0.6 --top_p 0.9
   python scripts/generate.py --checkpoint /ckpt/scout --batch_file prompts.txt --max_new_tokens 128
+  python scripts/generate.py --checkpoint meta-llama/Llama-4-Scout-17B-16E-Instruct --chat --stream \\
+      --prompt "Write a haiku about JAX"        # a Hugging Face repo id (needs huggingface_hub)
 
 Prints each continuation, then compile time and generation speed (tokens/s, compile excluded).
+With --stream, prints tokens as they come, then the time to the first output and the overall speed.
 """
 
 import os
@@ -24,7 +27,9 @@ DEFAULT_CHECKPOINT = "tiny"
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", DEFAULT_CHECKPOINT,
     "'tiny' (the embedded model trained on the Python stdlib), a checkpoint converted by "
-    "scripts/convert_hf.py, a Hugging Face Llama 4 directory (config.json + safetensors), or "
+    "scripts/convert_hf.py, a Hugging Face Llama 4 directory (config.json + safetensors), a Hugging "
+    "Face repo id such as meta-llama/Llama-4-Scout-17B-16E-Instruct (resolved through the HF cache, "
+    "downloading if needed; needs huggingface_hub; HF_HUB_OFFLINE=1 for cache only), or "
     "random:<preset> (random weights, byte tokenizer: output is noise; presets: tiny, "
     "tiny_top2_tied).")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (this or --batch_file).")
@@ -57,6 +62,14 @@ _TREE_NODES = flags.DEFINE_integer(
     "tree_nodes", None, "Tree drafting: draft tokens verified per round (>= --tree_depth).")
 _CHAT = flags.DEFINE_bool("chat", False, "Wrap each prompt in the Llama 4 chat template (needs "
                           "the checkpoint's tokenizer.json with the header tokens).")
+_STREAM = flags.DEFINE_bool(
+    "stream", False, "Print tokens as they are produced (one --prompt only). Runs one device call "
+    "per --stream_chunk tokens, each re-reading the text so far (no KV cache kept between calls): "
+    "costs one prefill per chunk plus a compile per new power-of-two text length; see "
+    "maverick/streaming.py.")
+_STREAM_CHUNK = flags.DEFINE_integer(
+    "stream_chunk", 16, "Tokens per device call with --stream (bigger: fewer calls and prefills, "
+    "coarser output).")
 
 
 
@@ -128,6 +141,11 @@ def main(argv):
     kw = dict(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
               top_p=_TOP_P.value, seed=_SEED.value, stop_tokens=loaded.stop_tokens,
               max_cache_len=_MAX_CACHE_LEN.value)
+    if _STREAM.value:
+      if len(prompts) != 1:
+        raise ValueError("--stream prints one prompt's tokens as they come: pass --prompt, not a "
+                         "--batch_file with several prompts")
+      return _stream(loaded, texts[0], prompts[0], draft, note, kw)
     if draft is None:
       out = generate(loaded.model, prompts, **kw)
     else:
@@ -151,6 +169,42 @@ def main(argv):
     how = f"tree {tree}" if tree is not None else f"K={_SPEC_K.value}"
     print(f"speculative {how}: acceptance length {out.acceptance_length:.2f} tokens per "
           f"verify step; per-position acceptance {rates}")
+  elif note:
+    print(note)
+  return 0
+
+
+def _stream(loaded, text, prompt, draft, note, kw) -> int:
+  """Prints the continuation chunk by chunk, then one stats line."""
+  from maverick import streaming
+  tok, stops = loaded.tokenizer, set(loaded.stop_tokens)
+  print(f"--- {text}")
+  print(text, end="", flush=True)
+  new, shown, chunks, spec_rounds, spec_tokens = [], "", [], 0, 0
+  for chunk in streaming.stream(loaded.model, prompt, chunk_tokens=_STREAM_CHUNK.value,
+                                draft=draft, k=_SPEC_K.value, **kw):
+    chunks.append(chunk)
+    new += [t for t in chunk.tokens if t not in stops]
+    decoded = tok.decode(new)
+    if not chunk.done:  # a multi-byte character may be cut at a chunk boundary: hold it back
+      decoded = decoded.rstrip("\ufffd")
+    if decoded.startswith(shown):
+      print(decoded[len(shown):], end="", flush=True)
+      shown = decoded
+    if draft is not None:
+      spec_rounds += int(chunk.output.rounds.sum())
+      spec_tokens += int(chunk.output.accepted.sum())
+  print()
+  n = sum(len(c.tokens) for c in chunks)
+  total = sum(c.seconds for c in chunks)
+  compile_s = sum(c.output.compile_seconds for c in chunks)
+  print(f"[{loaded.source}] streamed {n} new tokens in {len(chunks)} device calls of <= "
+        f"{_STREAM_CHUNK.value} | first output after {chunks[0].seconds:.2f} s | total "
+        f"{total:.2f} s (compile {compile_s:.2f} s) = {n / max(total - compile_s, 1e-9):.1f} "
+        "tokens/s without compile")
+  if draft is not None:
+    al = spec_tokens / max(spec_rounds, 1)
+    print(f"speculative K={_SPEC_K.value}: acceptance length {al:.2f} tokens per verify step")
   elif note:
     print(note)
   return 0

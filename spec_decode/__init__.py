@@ -29,10 +29,13 @@ def load_draft(source: str, target=None, *, dtype: str | None = None) -> Eagle3D
   lm_head when an EAGLE-3 checkpoint ships none).
 
   source: an embedded target name ("tiny"), a directory saved by scripts/train_eagle3.py, or an
-  EAGLE-3 checkpoint directory (config.json + safetensors: SpecForge / SafeAILab / NVIDIA layout).
+  EAGLE-3 checkpoint directory (config.json + safetensors: SpecForge / SafeAILab / NVIDIA layout),
+  or a Hugging Face repo id of either (needs huggingface_hub).
   """
   tcfg = None if target is None else target.config
   path = EMBEDDED_DRAFTS.get(source, source)
+  from maverick import hub
+  path = hub.resolve(path)  # a Hugging Face repo id -> its snapshot in the HF cache
   if not os.path.isdir(path):
     raise FileNotFoundError(f"draft {source!r} is not a directory; pass a draft saved by "
                             "scripts/train_eagle3.py, an EAGLE-3 checkpoint directory, or "
