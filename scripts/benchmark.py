@@ -72,10 +72,6 @@ _PROFILE_DIR = flags.DEFINE_string(
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
 
 
-class TreeDraftingUnavailable(NotImplementedError):
-  pass
-
-
 @dataclasses.dataclass(frozen=True)
 class DraftShape:
   """K = 0 (plain), a chain of K drafts, or a tree (depth x top-k children x verified nodes)."""
@@ -151,10 +147,6 @@ def make_runner(shape: DraftShape, target, draft, **kw):
 def tree_runner(shape: DraftShape, target, draft, **kw):
   """Tree drafting (issue 9): spec_decode.generate(..., tree=spec_decode.TreeShape(...))."""
   import spec_decode
-  if not hasattr(spec_decode, "TreeShape"):
-    raise TreeDraftingUnavailable(
-        f"{shape.label}: tree drafting is not available in this version of spec_decode; drop "
-        "--trees (chains: --ks)")
   tree = spec_decode.TreeShape(depth=shape.k, topk=shape.topk, nodes=shape.nodes)
   return lambda prompts, n, stop=(): spec_decode.generate(target, draft, prompts, tree=tree,
                                                           max_new_tokens=n, stop_tokens=stop, **kw)

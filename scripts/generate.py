@@ -145,7 +145,7 @@ def main(argv):
       if len(prompts) != 1:
         raise ValueError("--stream prints one prompt's tokens as they come: pass --prompt, not a "
                          "--batch_file with several prompts")
-      return _stream(loaded, texts[0], prompts[0], draft, note, kw)
+      return _stream(loaded, texts[0], prompts[0], draft, tree, note, kw)
     if draft is None:
       out = generate(loaded.model, prompts, **kw)
     else:
@@ -174,7 +174,7 @@ def main(argv):
   return 0
 
 
-def _stream(loaded, text, prompt, draft, note, kw) -> int:
+def _stream(loaded, text, prompt, draft, tree, note, kw) -> int:
   """Prints the continuation chunk by chunk, then one stats line."""
   from maverick import streaming
   tok, stops = loaded.tokenizer, set(loaded.stop_tokens)
@@ -182,7 +182,7 @@ def _stream(loaded, text, prompt, draft, note, kw) -> int:
   print(text, end="", flush=True)
   new, shown, chunks, spec_rounds, spec_tokens = [], "", [], 0, 0
   for chunk in streaming.stream(loaded.model, prompt, chunk_tokens=_STREAM_CHUNK.value,
-                                draft=draft, k=_SPEC_K.value, **kw):
+                                draft=draft, k=_SPEC_K.value, tree=tree, **kw):
     chunks.append(chunk)
     new += [t for t in chunk.tokens if t not in stops]
     decoded = tok.decode(new)
@@ -204,7 +204,8 @@ def _stream(loaded, text, prompt, draft, note, kw) -> int:
         "tokens/s without compile")
   if draft is not None:
     al = spec_tokens / max(spec_rounds, 1)
-    print(f"speculative K={_SPEC_K.value}: acceptance length {al:.2f} tokens per verify step")
+    how = f"tree {tree}" if tree is not None else f"K={_SPEC_K.value}"
+    print(f"speculative {how}: acceptance length {al:.2f} tokens per verify step")
   elif note:
     print(note)
   return 0

@@ -13,7 +13,6 @@ SCRIPT = REPO / "scripts" / "benchmark.py"
 sys.path.insert(0, str(REPO / "scripts"))
 
 import benchmark  # noqa: E402  (scripts/benchmark.py)
-import spec_decode  # noqa: E402
 from maverick.cli import UsageError  # noqa: E402
 
 
@@ -60,7 +59,6 @@ def test_tiny_sweep_writes_json_table_plots_and_profile(tmp_path):
   assert list(prof.glob("plugins/profile/*/*.xplane.pb")), "no profiler trace written"
 
 
-@pytest.mark.skipif(not hasattr(spec_decode, "TreeShape"), reason="no tree drafting in spec_decode")
 def test_tree_shapes_are_swept(tmp_path):
   r = _run("--ks=0", "--trees=3x2x4", "--batch_sizes=1", "--prompt_lens=16", "--output_lens=16",
            "--num_prompts=1", "--repeats=1", f"--out_dir={tmp_path}")
@@ -79,8 +77,6 @@ def test_tree_shapes_are_swept(tmp_path):
     (["--trees=5x8"], "is not DEPTHxTOPKxNODES"),
     (["--trees=3x2x2"], "nodes >= depth"),
     (["--checkpoint=random:tiny", "--ks=0,1"], "pass --draft, or --ks 0"),
-    pytest.param(["--trees=3x2x4"], "tree drafting is not available", marks=pytest.mark.skipif(
-        hasattr(spec_decode, "TreeShape"), reason="tree drafting is available")),
 ])
 def test_bad_input_is_one_clear_line(args, words, tmp_path):
   r = _run(*args, "--output_lens=16", "--prompt_lens=16", f"--out_dir={tmp_path}")

@@ -33,7 +33,6 @@ def test_stream_equals_hf_greedy(fixture_model, random_draft, hf_fixture, specul
     assert all(c.output.acceptance_length >= 1.0 for c in chunks)
 
 
-@pytest.mark.skipif(not hasattr(spec_decode, "TreeShape"), reason="no tree drafting in spec_decode")
 def test_stream_with_tree_draft_equals_hf_greedy(fixture_model, random_draft, hf_fixture):
   prompt, greedy = hf_fixture["inputs"][0].tolist(), hf_fixture["greedy"].tolist()
   chunks = streaming.stream(fixture_model, prompt, chunk_tokens=8, max_new_tokens=16,
