@@ -188,3 +188,20 @@ def test_fp8_dot_is_jittable():
   q, s = quant.quantize_weight(np.ones((16, 8), np.float32), (0,))
   f = jax.jit(lambda x: quant.einsum("nd,df->nf", x, q, s, quant.QuantConfig()))
   assert f(jnp.ones((2, 16), jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_attention_with_fp8_cache_equals_dequantized_cache():
+  """Scales folded into scores/probabilities == attention over the dequantized cache."""
+  from maverick import model as model_lib
+  rng = np.random.default_rng(8)
+  B, T, S, H, K, Dh = 2, 3, 10, 4, 2, 16
+  q = jnp.asarray(rng.standard_normal((B, T, H, Dh)), jnp.float32)
+  k = rng.standard_normal((B, S, K, Dh)) * rng.uniform(0.1, 10, (B, S, K, 1))
+  v = rng.standard_normal((B, S, K, Dh))
+  (kq, ks), (vq, vs) = quant.quantize_kv(jnp.asarray(k)), quant.quantize_kv(jnp.asarray(v))
+  pos = jnp.asarray([[5, 6, 7], [7, 8, 9]], jnp.int32)
+  mask = model_lib.attention_mask(pos, jnp.broadcast_to(jnp.arange(S), (B, S)), None)
+  got = model_lib.attention(q, kq, vq, mask, k_scale=ks, v_scale=vs)
+  deq = lambda x, s: (np.asarray(x, np.float64) * np.asarray(s)[..., None]).astype(np.float32)
+  want = model_lib.attention(q, jnp.asarray(deq(kq, ks)), jnp.asarray(deq(vq, vs)), mask)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
