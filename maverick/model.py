@@ -213,7 +213,8 @@ class Attention(nnx.Module):
   def __call__(self, x_btd, positions_bt, layer_cache=None, cache_lengths=None, *,
                attend_to_cache: bool = True, positions_from_zero: bool = False,
                attention_fn=None):
-    """Returns (output [B,T,D], (k_cache, v_cache) or None).
+    """Returns (output [B,T,D], (k_cache, v_cache) or None; for an FP8 cache (`layer_cache` of
+    4: k, v, k_scale, v_scale) the 4-tuple, new entries quantized per token and kv head).
 
     With a cache, the new keys/values are written at slots cache_lengths[b] + t. `attend_to_cache=False`
     (prefill into an empty cache) attends among the new tokens only, avoiding a T x capacity score
@@ -226,25 +227,17 @@ class Attention(nnx.Module):
     new_cache = None
     keys, values, kv_pos = k, v, positions_bt
     kv_scales = {}
-    if layer_cache is not None and len(layer_cache) == 4:  # FP8 cache: (k, v, k_scale, v_scale)
-      (kq, ks), (vq, vs) = quant_lib.quantize_kv(k), quant_lib.quantize_kv(v)
-      k_cache = kvc.write(layer_cache[0], kq, cache_lengths)
-      v_cache = kvc.write(layer_cache[1], vq, cache_lengths)
-      ks_cache = kvc.write(layer_cache[2], ks, cache_lengths)
-      vs_cache = kvc.write(layer_cache[3], vs, cache_lengths)
-      new_cache = (k_cache, v_cache, ks_cache, vs_cache)
+    if layer_cache is not None:
+      new = (k, v)
+      if len(layer_cache) == 4:  # FP8 cache: (k, v, k_scale, v_scale), written quantized
+        (kq, ks), (vq, vs) = quant_lib.quantize_kv(k), quant_lib.quantize_kv(v)
+        new = (kq, vq, ks, vs)
+      new_cache = tuple(kvc.write(c, x, cache_lengths) for c, x in zip(layer_cache, new))
       if attend_to_cache:
-        B, S = k_cache.shape[:2]
-        keys, values = k_cache, v_cache
-        kv_scales = dict(k_scale=ks_cache, v_scale=vs_cache)
-        kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    elif layer_cache is not None:
-      k_cache = kvc.write(layer_cache[0], k, cache_lengths)
-      v_cache = kvc.write(layer_cache[1], v, cache_lengths)
-      new_cache = (k_cache, v_cache)
-      if attend_to_cache:
-        B, S = k_cache.shape[:2]
-        keys, values = k_cache, v_cache
+        B, S = new_cache[0].shape[:2]
+        keys, values = new_cache[:2]
+        if len(new_cache) == 4:
+          kv_scales = dict(k_scale=new_cache[2], v_scale=new_cache[3])
         kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     T = x_btd.shape[1]
     if (positions_from_zero and self.chunk_size is not None and T > self.chunk_size

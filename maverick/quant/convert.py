@@ -57,8 +57,9 @@ def _assemble(cfg, arrays, moe_impl):
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def quantize_params(flat: dict, fp8: dict[tuple, tuple], name=str) -> dict:
-  """{path: array} -> the same with every path in `fp8` replaced by its e4m3 weight and scale."""
+def quantize_params(flat: dict, fp8: dict[tuple, tuple], *, name) -> dict:
+  """{path: array} -> the same with every path in `fp8` replaced by its e4m3 weight and scale;
+  `name(path)` names a weight in errors."""
   out = {}
   for p, x in flat.items():
     if p in fp8:
