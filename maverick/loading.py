@@ -40,8 +40,11 @@ class Loaded:
 
 def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
          rules: sharding_lib.Rules = sharding_lib.REPLICATED, seed: int = 0,
-         moe_impl: str = "tiles") -> Loaded:
+         moe_impl: str = "tiles", quant=None) -> Loaded:
   """Loads a model and its tokenizer.
+
+  quant: a `maverick.quant.QuantConfig` to quantize a BF16 model to FP8 after loading (FP8
+  checkpoints need none: their quantization is recorded in them).
 
   source:
     - "tiny" (the default): the embedded model trained on the Python standard library
@@ -71,7 +74,8 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
     if cfg.vocab_size < tok.vocab_size:
       raise ValueError(f"preset {name!r} has vocab_size {cfg.vocab_size} < {tok.vocab_size} "
                        "needed by the byte tokenizer of random models")
-    return Loaded(model_lib.init_model(cfg, seed=seed, moe_impl=moe_impl), tok, source)
+    model = model_lib.init_model(cfg, seed=seed, moe_impl=moe_impl)
+    return Loaded(_quantized(model, quant, moe_impl), tok, source)
   if not os.path.isdir(source):
     raise FileNotFoundError(f"checkpoint {source!r} is not a directory; pass {DEFAULT_MODEL!r} "
                             "(embedded), a converted checkpoint, a Hugging Face Llama 4 directory, "
@@ -83,4 +87,11 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
   else:
     raise CheckpointError(f"{source} holds neither {store.META_FILE} (converted checkpoint) nor "
                           "config.json (Hugging Face checkpoint)")
-  return Loaded(model, tokenizer_lib.load_tokenizer(source), source)
+  return Loaded(_quantized(model, quant, moe_impl), tokenizer_lib.load_tokenizer(source), source)
+
+
+def _quantized(model, quant, moe_impl):
+  if quant is None:
+    return model
+  from maverick import quant as quant_lib  # noqa: PLC0415  (imports the checkpoint code)
+  return quant_lib.quantize_model(model, quant, moe_impl=moe_impl)

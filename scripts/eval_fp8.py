@@ -16,12 +16,11 @@ import json
 import os
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maverick import cli  # noqa: E402  (after the sys.path line)
+from maverick import cli
 
 # Weights kept in BF16 per recipe. "maverick": what the official Llama-4-Maverick FP8 checkpoint
 # quantizes (routed experts only, spec §9); "all_linears": every linear but the router.

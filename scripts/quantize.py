@@ -13,12 +13,11 @@ NaN/inf weight aborts with the weight's name and nothing written.
 import os
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maverick import cli  # noqa: E402  (after the sys.path line)
+from maverick import cli
 
 _SRC = flags.DEFINE_string(
     "src", "tiny", "BF16 source: an embedded model name ('tiny'), a checkpoint converted by "

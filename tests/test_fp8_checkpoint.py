@@ -17,7 +17,12 @@ from safetensors.numpy import load_file, save_file
 from test_checkpoint import _assert_no_output, np_forward
 
 from maverick import quant
-from maverick.checkpoint import CheckpointError, convert_hf_to_orbax, load_hf, load_orbax
+from maverick.checkpoint import (
+  CheckpointError,
+  convert_hf_to_orbax,
+  load_hf,
+  load_orbax,
+)
 
 E4M3 = ml_dtypes.float8_e4m3fn
 COMPRESSED = {
@@ -126,7 +131,7 @@ def compressed_model(compressed):
 
 
 def test_compressed_tensors_import(compressed, compressed_model, hf_config, hf_fixture):
-  d, stored, ref = compressed
+  _, stored, ref = compressed
   model = compressed_model
   qc = model.config.quant
   assert qc.activations == "dynamic_per_token" and qc.activation_scale_ub is None

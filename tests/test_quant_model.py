@@ -6,7 +6,6 @@ import pathlib
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -84,6 +83,7 @@ def test_fp8_moe_experts_match_float64_reference(impl, N):
   """Routed experts with FP8 weights and per-token FP8 inputs vs a float64 NumPy reference that
   quantizes each assignment's (score-scaled) input row and each intermediate row itself."""
   import ml_dtypes
+
   from maverick import moe
   rng = np.random.default_rng(7)
   E, D, F, k = 8, 32, 24, 2
@@ -230,7 +230,7 @@ def test_quantize_checkpoint_nan_writes_nothing(tmp_path):
 def test_quantize_cli(bf16_checkpoint, tmp_path):
   _, src = bf16_checkpoint
   run = lambda *a: subprocess.run([sys.executable, str(REPO / "scripts" / "quantize.py"), *a],
-                                  capture_output=True, text=True, cwd=REPO,
+                                  check=False, capture_output=True, text=True, cwd=REPO,
                                   env=dict(os.environ, PYTHONPATH=str(REPO)))
   out = tmp_path / "cli"
   r = run(f"--src={src}", f"--out_dir={out}", "--kv_cache=fp8", "--skip=embed,lm_head,router,attn",
@@ -244,3 +244,10 @@ def test_quantize_cli(bf16_checkpoint, tmp_path):
   assert r.returncode == 1 and "not a directory" in r.stderr
   r = run(f"--src={out}", f"--out_dir={tmp_path / 'y'}")
   assert r.returncode == 1 and "already an FP8 checkpoint" in r.stderr
+
+
+def test_load_with_quant():
+  import maverick
+  loaded = maverick.load("random:tiny", quant=quant.QuantConfig(kv_cache="fp8"))
+  assert loaded.config.quant.kv_cache == "fp8"
+  assert loaded.model.layers[0].attn.q[...].dtype == jnp.float8_e4m3fn

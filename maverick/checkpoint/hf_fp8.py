@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -141,7 +141,7 @@ class _Stored:
     self.ckpt = ckpt
     self.names: dict[str, str] = {}
     for stored in ckpt.tensors:
-      canonical = stored[len(hf._PREFIX):] if stored.startswith(hf._PREFIX) else stored
+      canonical = stored.removeprefix(hf._PREFIX)
       if canonical.startswith(hf._IGNORED_PREFIXES):
         continue
       if canonical in self.names:
@@ -234,12 +234,9 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, hf_dir: str
 
   for canonical, src in hf.weight_map(cfg).items():
     paths = [t.path for t in src.targets]
-    if not st.has(canonical) and canonical.endswith(("experts.gate_up_proj", "experts.down_proj")):
-      if st.has(canonical.replace("experts.", "experts.0.", 1).replace("gate_up_proj",
-                                                                       "gate_proj.weight")
-                .replace("down_proj", "down_proj.weight")):
-        items.extend(_per_expert_items(st, canonical, src, cfg, dtype, fp8_paths, scale_shape))
-        continue
+    if not st.has(canonical) and st.has(_first_expert(canonical)):  # compressed-tensors experts
+      items.extend(_per_expert_items(st, canonical, src, cfg, dtype, fp8_paths, scale_shape))
+      continue
     if not st.has(canonical):
       missing.append(canonical)
       continue
@@ -295,8 +292,18 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, hf_dir: str
   return new_cfg, items
 
 
+def _first_expert(fused: str) -> str:
+  """`…experts.gate_up_proj` -> `…experts.0.gate_proj.weight` (down: `…experts.0.down_proj.weight`);
+  any other name is returned unchanged."""
+  if fused.endswith("experts.gate_up_proj"):
+    return fused[:-len("gate_up_proj")] + "0.gate_proj.weight"
+  if fused.endswith("experts.down_proj"):
+    return fused[:-len("down_proj")] + "0.down_proj.weight"
+  return fused
+
+
 def _part(path: Path) -> str:
-  from maverick.checkpoint.store import part_of  # noqa: PLC0415  (store imports this module)
+  from maverick.checkpoint.store import part_of
   return part_of(path)
 
 
@@ -380,7 +387,7 @@ def iter_params(ckpt: hf.SafetensorsCheckpoint, items: list[Item], *, progress: 
 
 def iter_parts(ckpt, items, *, progress: bool = False):
   """(part, {key in part: array}), a part at a time (the items are sorted by part)."""
-  from maverick.checkpoint.store import _part_key, part_of  # noqa: PLC0415
+  from maverick.checkpoint.store import _part_key, part_of
   current, flat = None, {}
   for path, x in iter_params(ckpt, items, progress=progress):
     part = part_of(path)

@@ -7,15 +7,45 @@
 """
 
 from maverick.quant.config import (
-    ACTIVATION_MODES, DEFAULT_SKIP, KV_FORMATS, QuantConfig, QuantConfigError)
+  ACTIVATION_MODES,
+  DEFAULT_SKIP,
+  KV_FORMATS,
+  QuantConfig,
+  QuantConfigError,
+)
 from maverick.quant.ops import (
-    FP8, FP8_MAX, MIN_ROW_AMAX, QuantError, check_finite, dequantize, einsum, quantize_kv,
-    quantize_rows, quantize_weight)
+  FP8,
+  FP8_MAX,
+  MIN_ROW_AMAX,
+  QuantError,
+  check_finite,
+  dequantize,
+  einsum,
+  quantize_kv,
+  quantize_rows,
+  quantize_weight,
+)
 
-__all__ = ["ACTIVATION_MODES", "DEFAULT_SKIP", "FP8", "FP8_MAX", "KV_FORMATS", "MIN_ROW_AMAX",
-           "QuantConfig", "QuantConfigError", "QuantError", "check_finite", "dequantize", "einsum",
-           "quantize_kv", "quantize_model", "quantize_rows", "quantize_weight",
-           "dequantize_model", "quantize_checkpoint"]
+__all__ = [
+  "ACTIVATION_MODES",
+  "DEFAULT_SKIP",
+  "FP8",
+  "FP8_MAX",
+  "KV_FORMATS",
+  "MIN_ROW_AMAX",
+  "QuantConfig",
+  "QuantConfigError",
+  "QuantError",
+  "check_finite",
+  "dequantize",
+  "dequantize_model",
+  "einsum",
+  "quantize_checkpoint",
+  "quantize_kv",
+  "quantize_model",
+  "quantize_rows",
+  "quantize_weight",
+]
 
 
 def __getattr__(name):  # model-level helpers import the model: load them on first use

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 WEIGHT_FORMATS = ("fp8",)
 ACTIVATION_MODES = ("none", "dynamic_per_token")
@@ -71,7 +72,7 @@ class QuantConfig:
     return d
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "QuantConfig":
+  def from_dict(cls, d: Mapping[str, Any]) -> QuantConfig:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:

@@ -8,7 +8,7 @@ knows layer structure.
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +118,7 @@ def quantize_checkpoint(src: str, out_dir: str, quant: QuantConfig | None = None
   format with `quant` recorded in maverick.json's config; it is written to a temporary sibling and
   renamed into place only when complete (NaN/inf weights abort with nothing written).
   """
-  from maverick.checkpoint import hf, store  # noqa: PLC0415  (checkpoint imports the model)
+  from maverick.checkpoint import hf, store
   quant = quant or QuantConfig()
   if store.is_orbax_checkpoint(src):
     cfg = config_lib.Config.from_dict(store.read_meta(src)["config"])

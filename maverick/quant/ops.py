@@ -14,7 +14,7 @@ what a fused kernel does, so a Pallas kernel can replace the body without touchi
 from __future__ import annotations
 
 import string
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
