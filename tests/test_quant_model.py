@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -215,6 +216,22 @@ def test_fp8_checkpoint_half_the_bytes_and_round_trips(bf16_checkpoint, tmp_path
   ratio = _dir_bytes(out) / _dir_bytes(src)
   assert ratio < 0.6, ratio
   assert abs(ratio - params_fp8 / params_bf16) < 0.05, (ratio, params_fp8 / params_bf16)
+
+
+def test_fp8_checkpoint_sharded_restore(bf16_checkpoint, tmp_path):
+  """Scales carry logical axes: restoring with expert/ffn parallel rules shards them with their
+  weights, and the sharded FP8 model computes the same logits."""
+  model, src = bf16_checkpoint
+  out = quant.quantize_checkpoint(str(src), str(tmp_path / "fp8"), progress=False)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+  sharded = load_orbax(out, mesh=mesh, rules={"experts": "model", "mlp": "model"})
+  P = jax.sharding.PartitionSpec
+  assert sharded.layers[1].ffn.gate_scale[...].sharding.spec == P("model", None)
+  assert sharded.layers[0].ffn.up_scale[...].sharding.spec == P("model")
+  assert len(sharded.layers[1].ffn.down[...].addressable_shards) == 2
+  toks = _tokens(2, 12, seed=9)
+  np.testing.assert_allclose(np.asarray(sharded(toks).logits, np.float32),
+                             np.asarray(load_orbax(out)(toks).logits, np.float32), atol=1e-2)
 
 
 def test_quantize_checkpoint_nan_writes_nothing(tmp_path):
