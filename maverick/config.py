@@ -13,6 +13,8 @@ import math
 import os
 from typing import Any, Mapping
 
+from maverick.quant.config import QuantConfig, QuantConfigError
+
 CHUNKED = "chunked_attention"
 FULL = "full_attention"
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -65,6 +67,7 @@ class Config:
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
   dtype: str = "bfloat16"  # parameter and activation dtype
+  quant: QuantConfig | None = None  # FP8 weights/activations/KV cache (maverick.quant); None: off
 
   def __post_init__(self):
     L = self.num_hidden_layers
@@ -94,6 +97,8 @@ class Config:
              f"num_experts_per_tok {self.num_experts_per_tok} > num_local_experts "
              f"{self.num_local_experts}")
     _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+    _require(self.quant is None or isinstance(self.quant, QuantConfig),
+             f"quant must be a maverick.quant.QuantConfig or None, got {self.quant!r}")
     _require(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
     _require(self.floor_scale > 0, f"floor_scale must be positive, got {self.floor_scale}")
 
@@ -152,6 +157,7 @@ class Config:
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
     d["rope_scaling"] = None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling)
+    d["quant"] = None if self.quant is None else self.quant.to_dict()
     for k in ("moe_layers", "no_rope_layers", "layer_types", "eos_token_ids"):
       d[k] = list(d[k])
     return d
@@ -164,6 +170,11 @@ class Config:
     d = dict(d)
     if d.get("rope_scaling") is not None:
       d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if d.get("quant") is not None:
+      try:
+        d["quant"] = QuantConfig.from_dict(d["quant"])
+      except (QuantConfigError, TypeError) as e:
+        raise ConfigError(f"quant: {e}") from None
     for k in ("moe_layers", "no_rope_layers", "layer_types", "eos_token_ids"):
       if d.get(k) is not None:
         d[k] = tuple(d[k])

@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from maverick import quant as quant_lib
 from maverick.config import Config
 
 # Logical axes of one layer's K or V, for sharding rules (batch, sequence, kv heads, head dim).
@@ -26,6 +27,12 @@ class KVCache:
   k: tuple[jax.Array, ...]  # per layer [B, S, K, Dh]
   v: tuple[jax.Array, ...]
   lengths: jax.Array  # [B] int32, tokens already written per row
+  # FP8 cache (Config.quant.kv_cache == "fp8"): k/v are e4m3 and these hold one f32 scale per token
+  # and kv head, per layer [B, S, K]. A scale per token (not per head over the whole cache) needs no
+  # calibration and keeps an outlier token from costing precision elsewhere; it adds 4 bytes per
+  # Dh e4m3 values (3 % at Dh = 128).
+  k_scale: tuple[jax.Array, ...] | None = None
+  v_scale: tuple[jax.Array, ...] | None = None
 
   @property
   def capacity(self) -> int:
@@ -38,11 +45,34 @@ class KVCache:
   @classmethod
   def init(cls, cfg: Config, batch_size: int, capacity: int, dtype=None,
            num_layers: int | None = None) -> "KVCache":
-    dtype = jnp.dtype(dtype or cfg.dtype)
     n = cfg.num_hidden_layers if num_layers is None else num_layers
     shape = (batch_size, capacity, cfg.num_key_value_heads, cfg.head_dim)
+    lengths = jnp.zeros((batch_size,), jnp.int32)
+    if dtype is None and cfg.quant is not None and cfg.quant.kv_cache == "fp8":
+      zeros = lambda s, dt: tuple(jnp.zeros(s, dt) for _ in range(n))
+      return cls(k=zeros(shape, quant_lib.FP8), v=zeros(shape, quant_lib.FP8), lengths=lengths,
+                 k_scale=zeros(shape[:3], jnp.float32), v_scale=zeros(shape[:3], jnp.float32))
+    dtype = jnp.dtype(dtype or cfg.dtype)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(n))
-    return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))
+    return cls(k=zeros(), v=zeros(), lengths=lengths)
+
+  @property
+  def quantized(self) -> bool:
+    return self.k_scale is not None
+
+  def layer(self, i: int) -> tuple[jax.Array, ...]:
+    """(k, v) of layer i, or (k, v, k_scale, v_scale) for an FP8 cache."""
+    if self.quantized:
+      return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
+    return self.k[i], self.v[i]
+
+  @classmethod
+  def from_layers(cls, k, v, scales, lengths) -> "KVCache":
+    """Inverse of `layer` over all layers; scales: per layer () or (k_scale, v_scale)."""
+    if scales and len(scales[0]) == 2:
+      return cls(k=tuple(k), v=tuple(v), lengths=lengths,
+                 k_scale=tuple(s[0] for s in scales), v_scale=tuple(s[1] for s in scales))
+    return cls(k=tuple(k), v=tuple(v), lengths=lengths)
 
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))

@@ -41,8 +41,11 @@ class Loaded:
 
 def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
          rules: sharding_lib.Rules = sharding_lib.REPLICATED, seed: int = 0,
-         moe_impl: str = "tiles", layout: str = "tp") -> Loaded:
+         moe_impl: str = "tiles", layout: str = "tp", quant=None) -> Loaded:
   """Loads a model and its tokenizer.
+
+  quant: a `maverick.quant.QuantConfig` to quantize a BF16 model to FP8 after loading (FP8
+  checkpoints need none: their quantization is recorded in them).
 
   source:
     - "tiny" (the default): the embedded model trained on the Python standard library
@@ -59,13 +62,13 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
   into the shardings (also across processes after `sharding.initialize_distributed`).
   """
   loaded = _load(source, dtype=dtype, mesh=mesh, rules=rules, seed=seed, moe_impl=moe_impl,
-                 layout=layout)
+                 layout=layout, quant=quant)
   if mesh is not None and sharding_lib.plan_of(loaded.model) is None:
     sharding_lib.shard_model(loaded.model, mesh, layout)
   return loaded
 
 
-def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout) -> Loaded:
+def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant) -> Loaded:
   if source in EMBEDDED:
     path = EMBEDDED[source]
     if not store.is_orbax_checkpoint(path):
@@ -86,7 +89,8 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout) -> Loaded:
     if cfg.vocab_size < tok.vocab_size:
       raise ValueError(f"preset {name!r} has vocab_size {cfg.vocab_size} < {tok.vocab_size} "
                        "needed by the byte tokenizer of random models")
-    return Loaded(model_lib.init_model(cfg, seed=seed, moe_impl=moe_impl), tok, source)
+    model = model_lib.init_model(cfg, seed=seed, moe_impl=moe_impl)
+    return Loaded(_quantized(model, quant, moe_impl), tok, source)
   source = hub.resolve(source)  # a Hugging Face repo id -> its snapshot in the HF cache
   if not os.path.isdir(source):
     raise FileNotFoundError(f"checkpoint {source!r} is not a directory; pass {DEFAULT_MODEL!r} "
@@ -102,4 +106,11 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout) -> Loaded:
   else:
     raise CheckpointError(f"{source} holds neither {store.META_FILE} (converted checkpoint) nor "
                           "config.json (Hugging Face checkpoint)")
-  return Loaded(model, tokenizer_lib.load_tokenizer(source), source)
+  return Loaded(_quantized(model, quant, moe_impl), tokenizer_lib.load_tokenizer(source), source)
+
+
+def _quantized(model, quant, moe_impl):
+  if quant is None:
+    return model
+  from maverick import quant as quant_lib  # noqa: PLC0415  (imports the checkpoint code)
+  return quant_lib.quantize_model(model, quant, moe_impl=moe_impl)

@@ -24,6 +24,7 @@ from flax import nnx
 
 from maverick import kv_cache as kvc
 from maverick import moe
+from maverick import quant as quant_lib
 from maverick import sharding
 from maverick.config import Config
 
@@ -43,6 +44,28 @@ def weight(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dty
     std = 1.0 / np.sqrt(fan_in if fan_in is not None else shape[0])
     value = (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
   return nnx.Param(value, logical_axes=tuple(axes))
+
+
+def linear_weight(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, *,
+                  in_axes: Sequence[int] = (0,), name: str,
+                  quant: quant_lib.QuantConfig | None, fan_in: int | None = None) -> tuple[nnx.Param, nnx.Param | None]:
+  """A weight contracted over `in_axes`, and its scale param or None.
+
+  When `quant` quantizes `name` (see maverick.quant.config) the weight is stored float8_e4m3fn
+  and the scale is f32 over the remaining (output-channel) axes, with their logical axes, so
+  sharding and restore come from the declarations as for any weight. Otherwise this is `weight`.
+  """
+  w = weight(rngs, shape, axes, dtype, fan_in=fan_in)
+  if quant is None or not quant.quantizes(name):
+    return w, None
+  q, s = quant_lib.quantize_weight(w[...], in_axes)
+  out_axes = tuple(a for i, a in enumerate(axes) if i not in in_axes)
+  return (nnx.Param(q, logical_axes=tuple(axes), fp8_in_axes=tuple(in_axes), quant_name=name),
+          nnx.Param(s, logical_axes=out_axes))
+
+
+def _value(p):
+  return None if p is None else p[...]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,16 +158,27 @@ def cache_mask(q_pos: jax.Array, num_slots: int, chunk_size: int | None,
   return attention_mask(q_pos, kv_pos, chunk_size) & allowed
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
   """GQA attention (XLA reference). q [B,T,H,Dh], k/v [B,S,K,Dh], mask [B,T,S] -> [B,T,H,Dh].
-  Query head j uses kv head j // G (HF repeat_kv is repeat_interleave)."""
+  Query head j uses kv head j // G (HF repeat_kv is repeat_interleave).
+  FP8 KV cache: k/v are e4m3 with scales [B,S,K]; the k scale multiplies the scores and the v scale
+  the probabilities (what a fused kernel does), never a dequantized copy of the cache."""
   B, T, H, Dh = q.shape
   K = k.shape[2]
   q = q.reshape(B, T, K, H // K, Dh)
+  if k_scale is not None:
+    k = k.astype(q.dtype)
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  if k_scale is not None:
+    scores = scores * jnp.transpose(k_scale, (0, 2, 1))[:, :, None, None, :]
   scores = scores * (Dh ** -0.5)
   scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  probs = jax.nn.softmax(scores, axis=-1)
+  if v_scale is not None:
+    probs = probs * jnp.transpose(v_scale, (0, 2, 1))[:, :, None, None, :]
+    v = v.astype(q.dtype)
+  probs = probs.astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
   return out.reshape(B, T, H, Dh).astype(q.dtype)
 
@@ -163,10 +197,13 @@ def chunked_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int)
   return out.reshape(B, n * chunk, H, Dh)[:, :T]
 
 
-def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array) -> jax.Array:
-  g = jnp.einsum("...d,df->...f", x, gate_df)
-  u = jnp.einsum("...d,df->...f", x, up_df)
-  return jnp.einsum("...f,fd->...d", jax.nn.silu(g) * u, down_fd)
+def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array,
+           scales=(None, None, None), quant=None) -> jax.Array:
+  """scales: per-output-channel scales of FP8 gate/up/down (None for an unquantized weight)."""
+  mm = quant_lib.einsum
+  g = mm("...d,df->...f", x, gate_df, scales[0], quant)
+  u = mm("...d,df->...f", x, up_df, scales[1], quant)
+  return mm("...f,fd->...d", jax.nn.silu(g) * u, down_fd, scales[2], quant)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,10 +227,14 @@ class Attention(nnx.Module):
     D, H, K, Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     Din = input_dim or D
     dt = jnp.dtype(cfg.dtype)
-    self.q = weight(rngs, (Din, H, Dh), ("embed", "q_heads", "head_dim"), dt)
-    self.k = weight(rngs, (Din, K, Dh), ("embed", "kv_heads", "head_dim"), dt)
-    self.v = weight(rngs, (Din, K, Dh), ("embed", "kv_heads", "head_dim"), dt)
-    self.o = weight(rngs, (H, Dh, D), ("q_heads", "head_dim", "embed"), dt, fan_in=H * Dh)
+    lw = functools.partial(linear_weight, rngs, dtype=dt, quant=cfg.quant)
+    n = f"layers.{layer}.attn."
+    self.q, self.q_scale = lw((Din, H, Dh), ("embed", "q_heads", "head_dim"), name=n + "q")
+    self.k, self.k_scale = lw((Din, K, Dh), ("embed", "kv_heads", "head_dim"), name=n + "k")
+    self.v, self.v_scale = lw((Din, K, Dh), ("embed", "kv_heads", "head_dim"), name=n + "v")
+    self.o, self.o_scale = lw((H, Dh, D), ("q_heads", "head_dim", "embed"), in_axes=(0, 1),
+                              fan_in=H * Dh, name=n + "o")
+    self.quant = cfg.quant
     self.use_rope = cfg.uses_rope(layer)
     self.qk_norm = cfg.use_qk_norm and self.use_rope
     self.temperature_tuning = cfg.attn_temperature_tuning and not self.use_rope
@@ -205,7 +246,8 @@ class Attention(nnx.Module):
   def __call__(self, x_btd, positions_bt, layer_cache=None, cache_lengths=None, *,
                attend_to_cache: bool = True, positions_from_zero: bool = False,
                attention_fn=None, tree: TreeMask | None = None):
-    """Returns (output [B,T,D], (k_cache, v_cache) or None).
+    """Returns (output [B,T,D], (k_cache, v_cache) or None; for an FP8 cache (`layer_cache` of
+    4: k, v, k_scale, v_scale) the 4-tuple, new entries quantized per token and kv head).
 
     With a cache, the new keys/values are written at slots cache_lengths[b] + t. `attend_to_cache=False`
     (prefill into an empty cache) attends among the new tokens only, avoiding a T x capacity score
@@ -218,12 +260,18 @@ class Attention(nnx.Module):
       return self.output(attention_fn(q, k, v)), None
     new_cache = None
     if layer_cache is not None:
-      k_cache = kvc.write(layer_cache[0], k, cache_lengths)
-      v_cache = kvc.write(layer_cache[1], v, cache_lengths)
-      new_cache = (k_cache, v_cache)
+      new = (k, v)
+      if len(layer_cache) == 4:  # FP8 cache: (k, v, k_scale, v_scale), written quantized
+        (kq, ks), (vq, vs) = quant_lib.quantize_kv(k), quant_lib.quantize_kv(v)
+        new = (kq, vq, ks, vs)
+      new_cache = tuple(kvc.write(c, x, cache_lengths) for c, x in zip(layer_cache, new))
       if attend_to_cache:
-        mask = cache_mask(positions_bt, k_cache.shape[1], self.chunk_size, tree)
-        return self.output(attention(q, k_cache, v_cache, mask)), new_cache
+        kv_scales = {}
+        if len(new_cache) == 4:
+          kv_scales = dict(k_scale=new_cache[2], v_scale=new_cache[3])
+        mask = cache_mask(positions_bt, new_cache[0].shape[1], self.chunk_size, tree)
+        out = attention(q, new_cache[0], new_cache[1], mask, **kv_scales)
+        return self.output(out), new_cache
     if tree is not None:
       raise ValueError("a tree mask needs a KV cache to attend to")
     T = x_btd.shape[1]
@@ -235,9 +283,10 @@ class Attention(nnx.Module):
 
   def project(self, x_btd, positions_bt):
     """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""
-    q = jnp.einsum("btd,dhk->bthk", x_btd, self.q[...])
-    k = jnp.einsum("btd,dhk->bthk", x_btd, self.k[...])
-    v = jnp.einsum("btd,dhk->bthk", x_btd, self.v[...])
+    mm = functools.partial(quant_lib.einsum, "btd,dhk->bthk", x_btd, quant=self.quant)
+    q = mm(self.q[...], _value(self.q_scale))
+    k = mm(self.k[...], _value(self.k_scale))
+    v = mm(self.v[...], _value(self.v_scale))
     if self.use_rope:
       inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
       q = apply_rope(q, positions_bt, inv_freq)
@@ -251,31 +300,42 @@ class Attention(nnx.Module):
     return q, k, v
 
   def output(self, out_bthk):
-    return jnp.einsum("bthk,hkd->btd", out_bthk, self.o[...])
+    return quant_lib.einsum("bthk,hkd->btd", out_bthk, self.o[...], _value(self.o_scale),
+                            self.quant)
 
 
 class MLP(nnx.Module):
   """SwiGLU: dense layers use intermediate_size_mlp, the shared expert intermediate_size."""
 
-  def __init__(self, dim: int, width: int, dtype, rngs: nnx.Rngs, axis: str = "mlp"):
-    self.gate = weight(rngs, (dim, width), ("embed", axis), dtype)
-    self.up = weight(rngs, (dim, width), ("embed", axis), dtype)
-    self.down = weight(rngs, (width, dim), (axis, "embed"), dtype)
+  def __init__(self, dim: int, width: int, dtype, rngs: nnx.Rngs, axis: str = "mlp", *,
+               quant: quant_lib.QuantConfig | None = None, name: str = ""):
+    """quant/name: the model's quant config and this MLP's weight-name prefix (FP8 storage)."""
+    lw = functools.partial(linear_weight, rngs, dtype=dtype, quant=quant)
+    self.gate, self.gate_scale = lw((dim, width), ("embed", axis), name=name + "gate")
+    self.up, self.up_scale = lw((dim, width), ("embed", axis), name=name + "up")
+    self.down, self.down_scale = lw((width, dim), (axis, "embed"), name=name + "down")
+    self.quant = quant
 
   def __call__(self, x):
-    return swiglu(x, self.gate[...], self.up[...], self.down[...])
+    scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
+    return swiglu(x, self.gate[...], self.up[...], self.down[...], scales, self.quant)
 
 
 class MoE(nnx.Module):
 
-  def __init__(self, cfg: Config, rngs: nnx.Rngs, impl: str = "tiles"):
+  def __init__(self, cfg: Config, rngs: nnx.Rngs, impl: str = "tiles", layer: int = 0):
     D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
     dt = jnp.dtype(cfg.dtype)
-    self.router = weight(rngs, (D, E), ("embed", None), dt)
-    self.gate = weight(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dt, fan_in=D)
-    self.up = weight(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dt, fan_in=D)
-    self.down = weight(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), dt, fan_in=F)
-    self.shared = MLP(D, F, dt, rngs, axis="expert_mlp")
+    lw = functools.partial(linear_weight, rngs, dtype=dt, quant=cfg.quant)
+    n = f"layers.{layer}."
+    self.router, self.router_scale = lw((D, E), ("embed", None), name=n + "router")
+    ex = ("experts", "embed", "expert_mlp")
+    self.gate, self.gate_scale = lw((E, D, F), ex, in_axes=(1,), fan_in=D, name=n + "experts.gate")
+    self.up, self.up_scale = lw((E, D, F), ex, in_axes=(1,), fan_in=D, name=n + "experts.up")
+    self.down, self.down_scale = lw((E, F, D), ("experts", "expert_mlp", "embed"), in_axes=(1,),
+                                    fan_in=F, name=n + "experts.down")
+    self.shared = MLP(D, F, dt, rngs, axis="expert_mlp", quant=cfg.quant, name=n + "shared.")
+    self.quant = cfg.quant
     self.top_k = cfg.num_experts_per_tok
     if impl not in moe.MOE_IMPLS:
       raise ValueError(f"unknown moe_impl {impl!r}; choose one of {moe.MOE_IMPLS}")
@@ -285,17 +345,23 @@ class MoE(nnx.Module):
   def __call__(self, x_btd):
     B, T, D = x_btd.shape
     x = x_btd.reshape(B * T, D)
+    scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
     plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
     if plan is not None and not self.record_balance_loss:
       shared = (self.shared.gate[...], self.shared.up[...], self.shared.down[...])
+      shared_scales = (_value(self.shared.gate_scale), _value(self.shared.up_scale),
+                       _value(self.shared.down_scale))
       y = sharding.sharded_moe(plan, x, self.router[...], self.gate[...], self.up[...],
-                               self.down[...], shared, top_k=self.top_k, impl=self.impl)
+                               self.down[...], shared, top_k=self.top_k, impl=self.impl,
+                               router_scale=_value(self.router_scale), scales=scales,
+                               shared_scales=shared_scales, quant=self.quant)
       return y.reshape(B, T, D)
-    top_idx, scores, logits = moe.route(x, self.router[...], self.top_k)
+    top_idx, scores, logits = moe.route(x, self.router[...], self.top_k,
+                                        router_scale=_value(self.router_scale), quant=self.quant)
     if self.record_balance_loss:
       self.sow(nnx.Intermediate, "balance_loss", moe.load_balancing_loss(logits, top_idx))
     routed = moe.moe_experts(x, top_idx, scores, self.gate[...], self.up[...], self.down[...],
-                             impl=self.impl)
+                             impl=self.impl, scales=scales, quant=self.quant)
     return (self.shared(x) + routed).reshape(B, T, D)
 
 
@@ -312,9 +378,10 @@ class DecoderLayer(nnx.Module):
     self.attn = Attention(cfg, layer, rngs, input_dim=attn_input_dim)
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
     if cfg.is_moe(layer):
-      self.ffn = MoE(cfg, rngs, impl=moe_impl)
+      self.ffn = MoE(cfg, rngs, impl=moe_impl, layer=layer)
     else:
-      self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size_mlp, dt, rngs)
+      self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size_mlp, dt, rngs, quant=cfg.quant,
+                     name=f"layers.{layer}.mlp.")
 
   def __call__(self, x, positions, layer_cache=None, cache_lengths=None, *, attend_to_cache=True,
                positions_from_zero=False, attn_input=None, attention_fn=None, tree=None):
@@ -360,22 +427,30 @@ class Llama4(nnx.Module):
     dt = jnp.dtype(cfg.dtype)
     self.config = cfg
     # std 1/sqrt(D): as the (tied) output projection this gives unit-scale initial logits.
-    self.embed = weight(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt,
-                        fan_in=cfg.hidden_size)
+    self.embed, self.embed_scale = linear_weight(
+        rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt, in_axes=(1,),
+        fan_in=cfg.hidden_size, name="embed", quant=cfg.quant)
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs, moe_impl)
                             for i in range(cfg.num_hidden_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
     if not cfg.tie_word_embeddings:
-      self.lm_head = weight(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+      self.lm_head, self.lm_head_scale = linear_weight(
+          rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt, name="lm_head",
+          quant=cfg.quant)
 
   def embed_tokens(self, tokens_bt):
-    return jnp.take(self.embed[...], tokens_bt, axis=0)
+    rows = jnp.take(self.embed[...], tokens_bt, axis=0)
+    if self.embed_scale is None:
+      return rows
+    scale = jnp.take(self.embed_scale[...], tokens_bt, axis=0)[..., None]
+    return (rows.astype(jnp.float32) * scale).astype(self.config.dtype)
 
   def logits(self, x_btd):
     x = self.final_norm(x_btd)
+    q = self.config.quant
     if self.config.tie_word_embeddings:
-      return jnp.einsum("...d,vd->...v", x, self.embed[...])
-    return jnp.einsum("...d,dv->...v", x, self.lm_head[...])
+      return quant_lib.einsum("...d,vd->...v", x, self.embed[...], _value(self.embed_scale), q)
+    return quant_lib.einsum("...d,dv->...v", x, self.lm_head[...], _value(self.lm_head_scale), q)
 
   def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
@@ -399,22 +474,23 @@ class Llama4(nnx.Module):
 
     x = self.embed_tokens(tokens_bt)
     captured = {}
-    new_k, new_v = [], []
+    new_k, new_v, new_scales = [], [], []
     for i, layer in enumerate(self.layers):
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+      layer_cache = None if cache is None else cache.layer(i)
       lengths = None if cache is None else cache.lengths
       x, layer_cache = layer(x, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
                              positions_from_zero=from_zero, tree=tree)
       if layer_cache is not None:
         new_k.append(layer_cache[0])
         new_v.append(layer_cache[1])
+        new_scales.append(layer_cache[2:])
       if i in capture:
         captured[i] = x
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     new_cache = None
     if cache is not None:
-      new_cache = kvc.KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T)
+      new_cache = kvc.KVCache.from_layers(new_k, new_v, new_scales, cache.lengths + T)
     hidden = jnp.stack([captured[i] for i in capture]) if capture else None
     return ForwardOutput(logits=self.logits(x), cache=new_cache, hidden=hidden)
 

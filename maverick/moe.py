@@ -16,14 +16,17 @@ import math
 import jax
 import jax.numpy as jnp
 
+from maverick import quant as quant_lib
+
 MOE_IMPLS = ("tiles", "ragged_dot")
 
 
-def route(x_nd: jax.Array, router_de: jax.Array, k: int
+def route(x_nd: jax.Array, router_de: jax.Array, k: int, *, router_scale=None, quant=None
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Llama 4 routing: top-k of the RAW router logits, sigmoid score (no softmax, no renorm).
-  Returns (expert ids [N, k], scores [N, k], router logits [N, E])."""
-  logits = jnp.einsum("nd,de->ne", x_nd, router_de)
+  Returns (expert ids [N, k], scores [N, k], router logits [N, E]). `router_scale` [E]: the router
+  is FP8 (see maverick.quant.einsum)."""
+  logits = quant_lib.einsum("nd,de->ne", x_nd, router_de, router_scale, quant)
   top_logits, top_idx = jax.lax.top_k(logits, k)
   scores = jax.nn.sigmoid(top_logits.astype(jnp.float32)).astype(x_nd.dtype)
   return top_idx, scores, logits
@@ -52,7 +55,8 @@ def grouped_matmul(x_ad: jax.Array, w_edf: jax.Array, group_sizes: jax.Array, *,
   A, D = x_ad.shape
   E, _, F = w_edf.shape
   if impl == "ragged_dot":
-    return jax.lax.ragged_dot(x_ad, w_edf, group_sizes, preferred_element_type=jnp.float32)
+    return jax.lax.ragged_dot(x_ad, _operand(w_edf, x_ad.dtype), group_sizes,
+                              preferred_element_type=jnp.float32)
   if impl != "tiles":
     raise ValueError(f"unknown MoE implementation {impl!r}; choose one of {MOE_IMPLS}")
   tm = tile_m or default_tile_m(A, E)
@@ -76,13 +80,19 @@ def grouped_matmul(x_ad: jax.Array, w_edf: jax.Array, group_sizes: jax.Array, *,
     x_md, group, is_active = args
     return jax.lax.cond(
         is_active,
-        lambda: jnp.dot(x_md, w_edf[group], preferred_element_type=jnp.float32),
+        lambda: jnp.dot(x_md, _operand(w_edf[group], x_md.dtype),
+                        preferred_element_type=jnp.float32),
         lambda: jnp.zeros((tm, F), jnp.float32))
 
   y_tiles = jax.lax.map(one_tile, (x_tiles, tile_group, active))  # [tiles, tm, F]
   dest = jnp.where(valid, rows, A).reshape(-1)  # padding rows go to a dump row
   out = jnp.zeros((A + 1, F), jnp.float32).at[dest].add(y_tiles.reshape(-1, F))
   return out[:A]
+
+
+def _operand(w, x_dtype):
+  """FP8 weights meet bf16 activations (weight-only quantization) upcast, inside the tile."""
+  return w.astype(x_dtype) if w.dtype == quant_lib.FP8 and x_dtype != quant_lib.FP8 else w
 
 
 def _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd):
@@ -98,14 +108,22 @@ def _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd):
 
 
 def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf: jax.Array,
-                up_edf: jax.Array, down_efd: jax.Array, *, impl: str = "tiles") -> jax.Array:
+                up_edf: jax.Array, down_efd: jax.Array, *, impl: str = "tiles", scales=None,
+                quant=None) -> jax.Array:
   """Sum over the k chosen experts of Expert_e(score * x) (the score scales the expert INPUT).
+
+  scales: (gate [E,F], up [E,F], down [E,D]) per-expert per-output-channel scales of FP8 expert
+  weights (None entries: that weight is unquantized); `quant` says whether activations are
+  quantized per token.
 
   With at most one assignment per expert on average (decode and verification steps) the chosen
   weights are gathered; otherwise tokens are sorted by expert for a grouped matmul (`impl`)."""
   N, D = x_nd.shape
   k = top_idx.shape[-1]
   E = gate_edf.shape[0]
+  if scales is not None and any(s is not None for s in scales):
+    return _fp8_experts(x_nd, top_idx, scores, (gate_edf, up_edf, down_efd), scales, quant,
+                        impl=impl)
   if impl == "tiles" and N * k <= E:
     return _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd)
   flat_expert = top_idx.reshape(-1)
@@ -118,4 +136,42 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   up = mm(x_sorted, up_edf)
   h = (jax.nn.silu(gate) * up).astype(x_nd.dtype)
   y = mm(h, down_efd).astype(x_nd.dtype)
+  return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
+
+
+def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl):
+  """The two dispatch paths of `moe_experts` with FP8 expert weights: each assignment's input row
+  is quantized per token (when `quant` says so), the grouped/gathered product runs FP8 x FP8 with
+  f32 accumulation, and the row and expert-channel scales are applied to the accumulator."""
+  N, D = x_nd.shape
+  k = top_idx.shape[-1]
+  E = weights[0].shape[0]
+  z = (x_nd[:, None, :] * scores[..., None]).reshape(-1, D)  # [A, D] score-scaled inputs
+  e = top_idx.reshape(-1)
+  if impl == "tiles" and N * k <= E:
+    def mm(a, w, s):
+      return quant_lib.einsum("ad,adf->af", a, w[e], None if s is None else s[e], quant,
+                              out_dtype=jnp.float32)
+    h = jax.nn.silu(mm(z, weights[0], scales[0])) * mm(z, weights[1], scales[1])
+    y = mm(h.astype(x_nd.dtype), weights[2], scales[2])
+    return y.reshape(N, k, D).sum(axis=1).astype(x_nd.dtype)
+
+  order = jnp.argsort(e, stable=True)
+  expert_sorted = e[order]
+  group_sizes = jnp.bincount(e, length=E).astype(jnp.int32)
+
+  def mm(a, w, s):
+    if s is None:
+      return grouped_matmul(a, w, group_sizes, impl=impl)
+    if quant is not None and quant.quantize_activations:
+      aq, a_scale = quant_lib.quantize_rows(a, (-1,), quant.activation_scale_ub)
+      acc = grouped_matmul(aq, w, group_sizes, impl=impl) * a_scale[:, None]
+    else:
+      acc = grouped_matmul(a, w, group_sizes, impl=impl)
+    return acc * s[expert_sorted].astype(jnp.float32)
+
+  a = z[order]
+  h = (jax.nn.silu(mm(a, weights[0], scales[0])) * mm(a, weights[1], scales[1])).astype(x_nd.dtype)
+  y = mm(h, weights[2], scales[2]).astype(x_nd.dtype)
+  token = order // k
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)

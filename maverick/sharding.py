@@ -252,10 +252,13 @@ def to_host(x) -> np.ndarray:
 # Sharded MoE
 # ----------------------------------------------------------------------------------------------
 def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared, *, top_k: int,
-                impl: str):
+                impl: str, router_scale=None, scales=(None, None, None),
+                shared_scales=(None, None, None), quant=None):
   """Llama 4 MoE (routed + shared expert) inside shard_map with one psum at the end.
 
-  shared: (gate [D,F], up [D,F], down [F,D]) of the shared expert."""
+  shared: (gate [D,F], up [D,F], down [F,D]) of the shared expert. FP8 weights come with their
+  per-output-channel scales (router [E], experts (gate [E,F], up [E,F], down [E,D]), shared (gate
+  [F], up [F], down [D])), sharded like the output axis of their weight; None = unquantized."""
   from maverick import moe  # avoid a cycle at import time
   from maverick.model import swiglu
   rows = plan.batch_axis(x_nd.shape[0])
@@ -267,9 +270,9 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
                       and not (dp_experts and a == ex))
   P = PartitionSpec
 
-  def local(x_own, router, gate, up, down, sg, su, sd):
+  def local(x_own, router, gate, up, down, sg, su, sd, r_scale, e_scales, s_scales):
     x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
-    top_idx, scores, _ = moe.route(x, router, top_k)
+    top_idx, scores, _ = moe.route(x, router, top_k, router_scale=r_scale, quant=quant)
     if ex is not None:
       e_local = gate.shape[0]
       first = jax.lax.axis_index(ex) * e_local
@@ -281,22 +284,27 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
       gathered = impl == "tiles" and x.shape[0] * top_k <= e_local
       top_idx = jnp.where(mine, idx, 0 if gathered else e_local)
       scores = jnp.where(mine, scores, jnp.zeros_like(scores))
-    y = moe.moe_experts(x, top_idx, scores, gate, up, down, impl=impl)
+    y = moe.moe_experts(x, top_idx, scores, gate, up, down, impl=impl, scales=e_scales,
+                        quant=quant)
     if dp_experts:  # own rows, summed over expert shards; the shared expert on own rows only
       y = jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True)
-      s = swiglu(x_own, sg, su, sd)
+      s = swiglu(x_own, sg, su, sd, s_scales, quant)
     else:
-      s = swiglu(x, sg, su, sd)
+      s = swiglu(x, sg, su, sd, s_scales, quant)
       if ex is not None:  # every expert shard has the shared expert's slice: count it once
         s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
     return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s
 
+  scale_specs = lambda ss, specs: tuple(None if s is None else p for s, p in zip(ss, specs))
   f = jax.shard_map(
       local, mesh=plan.mesh,
       in_specs=(P(rows, None), P(None, None), P(ex, None, tp), P(ex, None, tp), P(ex, tp, None),
-                P(None, tp), P(None, tp), P(tp, None)),
+                P(None, tp), P(None, tp), P(tp, None), None if router_scale is None else P(None),
+                scale_specs(scales, (P(ex, tp), P(ex, tp), P(ex, None))),
+                scale_specs(shared_scales, (P(tp), P(tp), P(None)))),
       out_specs=P(rows, None), check_vma=False)
-  return f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared)
+  return f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared, router_scale, tuple(scales),
+           tuple(shared_scales))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,6 +32,9 @@ _IGNORED_PREFIXES = ("vision_model.", "multi_modal_projector.")
 # is bfloat16.
 _FLOAT_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype(ml_dtypes.bfloat16),
                  "F16": np.dtype("<f2")}
+# FP8 weights (e4m3, as in the official Maverick FP8 checkpoint); read by the FP8 importer (hf_fp8).
+_FP8_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+_READABLE = {**_FLOAT_DTYPES, **_FP8_DTYPES}
 
 
 class CheckpointError(ValueError):
@@ -141,7 +144,7 @@ def _read_header(path: str) -> tuple[dict, int]:
     except (KeyError, TypeError, ValueError):
       raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
     # Only the dtypes we can read are size-checked; the others are rejected by name in `plan`.
-    if dtype in _FLOAT_DTYPES and end - begin != math.prod(shape) * _FLOAT_DTYPES[dtype].itemsize:
+    if dtype in _READABLE and end - begin != math.prod(shape) * _READABLE[dtype].itemsize:
       raise CheckpointError(f"{path}: tensor {name} ({dtype} {list(shape)}) spans {end - begin} "
                             "bytes in the header; the file is corrupt")
   data_size = size - 8 - n
@@ -193,12 +196,12 @@ class SafetensorsCheckpoint:
         raise CheckpointError(f"{index_path} lists tensors absent from their shards: {absent[:5]}")
 
   def read(self, name: str) -> np.ndarray:
-    """The tensor as a writable NumPy array (F32, F16 or BF16)."""
+    """The tensor as a writable NumPy array (F32, F16, BF16 or F8_E4M3)."""
     info = self.tensors[name]
-    if info.dtype not in _FLOAT_DTYPES:
+    if info.dtype not in _READABLE:
       raise CheckpointError(f"tensor {name} has dtype {info.dtype}; expected one of "
-                            f"{sorted(_FLOAT_DTYPES)}")
-    dtype = _FLOAT_DTYPES[info.dtype]
+                            f"{sorted(_READABLE)}")
+    dtype = _READABLE[info.dtype]
     arr = np.fromfile(os.path.join(self.directory, info.file), dtype=dtype,
                       count=math.prod(info.shape), offset=info.begin)
     if arr.size != math.prod(info.shape):  # the file shrank after the header was checked

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from maverick import config as config_lib
 from maverick import model as model_lib
 from maverick import sharding as sharding_lib
-from maverick.checkpoint import hf
+from maverick.checkpoint import hf, hf_fp8
 from maverick.checkpoint.hf import CheckpointError
 
 FORMAT = "maverick-orbax/1"
@@ -38,7 +38,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def part_of(path: tuple) -> str:
   if path[0] == "layers":
     return f"layer_{int(path[1]):03d}"
-  return "embed" if path[0] == "embed" else "head"
+  return "embed" if path[0] in ("embed", "embed_scale") else "head"
 
 
 def _part_key(path: tuple) -> tuple[str, ...]:
@@ -166,11 +166,16 @@ def convert_hf_to_orbax(hf_dir: str, out_dir: str, *, dtype: str | None = None,
   """
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir)
-  hf.plan(ckpt, cfg)  # validate everything up front
+  if hf_fp8.is_fp8(ckpt):  # kept in FP8; the derived quant config is recorded in maverick.json
+    cfg, items = hf_fp8.plan(ckpt, cfg, hf_dir)
+    parts = hf_fp8.iter_parts(ckpt, items, progress=progress)
+  else:
+    hf.plan(ckpt, cfg)  # validate everything up front
+    parts = _hf_parts(ckpt, cfg, jnp.dtype(cfg.dtype), progress)
   extra = [os.path.join(hf_dir, f) for f in TOKENIZER_FILES
            if os.path.isfile(os.path.join(hf_dir, f))]
-  return _write(out_dir, cfg, _hf_parts(ckpt, cfg, jnp.dtype(cfg.dtype), progress),
-                overwrite=overwrite, extra_files=extra, source=os.path.abspath(hf_dir))
+  return _write(out_dir, cfg, parts, overwrite=overwrite, extra_files=extra,
+                source=os.path.abspath(hf_dir))
 
 
 def save_orbax(model: model_lib.Llama4, out_dir: str, *, overwrite: bool = False,
@@ -249,11 +254,41 @@ def load_orbax(path: str, *, mesh=None, rules: sharding_lib.Rules = sharding_lib
   return _assemble(cfg, {p: arrays[p] for p in _param_paths(cfg)}, moe_impl)
 
 
+def iter_orbax_parts(path: str, cfg: config_lib.Config | None = None):
+  """Yields (part, {key in part: array}) of a checkpoint one part (layer) at a time, restored on
+  the default device: the streaming reader behind checkpoint-to-checkpoint tools."""
+  meta = read_meta(path)
+  cfg = cfg or config_lib.Config.from_dict(meta["config"])
+  targets: dict[str, dict] = {}
+  for p, sds in _param_paths(cfg).items():
+    targets.setdefault(part_of(p), {})[_part_key(p)] = jax.ShapeDtypeStruct(sds.shape, sds.dtype)
+  ckptr = ocp.StandardCheckpointer()
+  try:
+    for part in meta["parts"]:
+      if part not in targets:
+        raise CheckpointError(f"{path}: part {part} does not belong to its config")
+      part_dir = os.path.join(path, "params", part)
+      if not os.path.isdir(part_dir):
+        raise CheckpointError(f"{part_dir} is missing; the checkpoint is incomplete")
+      yield part, _flatten(ckptr.restore(part_dir, _nest(targets[part])))
+  finally:
+    ckptr.close()
+
+
+def full_path(part: str, key: tuple[str, ...]) -> tuple:
+  """Inverse of (part_of, _part_key): the model-state path of `key` in `part`."""
+  return ("layers", int(part[6:])) + tuple(key) if part.startswith("layer_") else tuple(key)
+
+
 def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles"
             ) -> model_lib.Llama4:
   """Loads a HF checkpoint directly (no conversion), one tensor at a time onto the device."""
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir)
+  if hf_fp8.is_fp8(ckpt):
+    cfg, items = hf_fp8.plan(ckpt, cfg, hf_dir)
+    arrays = {path: jax.device_put(x) for path, x in hf_fp8.iter_params(ckpt, items)}
+    return _assemble(cfg, arrays, moe_impl)
   arrays = {path: jax.device_put(x) for path, x in hf.iter_params(ckpt, cfg)}
   return _assemble(cfg, arrays, moe_impl)
 

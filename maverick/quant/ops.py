@@ -1,0 +1,141 @@
+"""FP8 (e4m3) quantization primitives and the one contraction every quantized layer goes through.
+
+Weights: symmetric, one f32 scale per output channel, `scale = max|w| / 448` over the input axes (a
+channel of zeros gets scale 1). Activations: the same per token (per row of the contraction), computed
+at run time, with the row maximum clamped to [1/512, activation_scale_ub] so all-zero rows give no
+0/0 and huge rows no overflow (e4m3fn has no infinity: out-of-range casts become NaN, so values are
+clipped to +-448 before the cast). KV cache: one scale per token and kv head.
+
+`einsum` is the seam for an FP8 GEMM kernel: it computes an FP8 x FP8 product with f32 accumulation
+(`preferred_element_type`), then applies the activation and weight scales in the epilogue, exactly
+what a fused kernel does, so a Pallas kernel can replace the body without touching the model.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maverick.quant.config import QuantConfig
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0
+# A row's max |x| is raised to at least this before scaling (vLLM/fbgemm use the same floor).
+MIN_ROW_AMAX = 1.0 / 512.0
+
+
+class QuantError(ValueError):
+  """A tensor that cannot be quantized (NaN/inf) or a malformed quantized tensor."""
+
+
+def _to_fp8(x_f32: jax.Array) -> jax.Array:
+  return jnp.clip(x_f32, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def quantize_weight(w, in_axes: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+  """(e4m3 weight, f32 scale) with one scale per output channel: the scale's shape is w's shape
+  without `in_axes` (the contracted axes). Dequantize with `dequantize(q, scale, in_axes)`."""
+  wf = jnp.asarray(w).astype(jnp.float32)
+  axes = tuple(a % wf.ndim for a in in_axes)
+  amax = jnp.max(jnp.abs(wf), axis=axes, keepdims=True)
+  scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+  return _to_fp8(wf / scale), jnp.squeeze(scale, axis=axes)
+
+
+def dequantize(q, scale, in_axes: Sequence[int], dtype=jnp.float32) -> jax.Array:
+  q = jnp.asarray(q)
+  axes = tuple(a % q.ndim for a in in_axes)
+  return (q.astype(jnp.float32) * jnp.expand_dims(jnp.asarray(scale, jnp.float32), axes)
+          ).astype(dtype)
+
+
+def row_scales(x_f32: jax.Array, axes: Sequence[int], ub: float | None = None) -> jax.Array:
+  """Clamped per-row scales (keepdims over `axes`)."""
+  amax = jnp.max(jnp.abs(x_f32), axis=tuple(axes), keepdims=True)
+  amax = jnp.maximum(amax, MIN_ROW_AMAX)
+  if ub is not None:
+    amax = jnp.minimum(amax, ub)
+  return amax / FP8_MAX
+
+
+def quantize_rows(x, axes: Sequence[int] = (-1,), ub: float | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Dynamic quantization: (e4m3 x, f32 scale with `axes` reduced away). NaN-free for any finite x."""
+  xf = jnp.asarray(x).astype(jnp.float32)
+  axes = tuple(a % xf.ndim for a in axes)
+  s = row_scales(xf, axes, ub)
+  return _to_fp8(xf / s), jnp.squeeze(s, axis=axes)
+
+
+def quantize_kv(x_btkd: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """KV cache entries [B, T, K, Dh] -> (e4m3, scale [B, T, K])."""
+  return quantize_rows(x_btkd, (-1,))
+
+
+def check_finite(name: str, x) -> None:
+  """Raises QuantError naming the tensor when it holds NaN or inf (host check, before quantizing)."""
+  x = np.asarray(x)
+  if x.dtype == FP8:  # e4m3fn has no inf; NaN is S.1111.111
+    bad = int(np.count_nonzero((x.view(np.uint8) & 0x7F) == 0x7F))
+  else:
+    bad = int(np.count_nonzero(~np.isfinite(x.astype(np.float32))))
+  if bad:
+    raise QuantError(f"{name} has {bad} NaN/inf value(s) out of {x.size}; fix or retrain the "
+                     "checkpoint before quantizing (a scale cannot represent them)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantized contraction
+# ----------------------------------------------------------------------------------------------
+def _expand_ellipsis(spec: str, ndim_x: int) -> tuple[str, str, str]:
+  ins, out = spec.replace(" ", "").split("->")
+  xs, ws = ins.split(",")
+  if "..." in ws:
+    raise ValueError(f"einsum {spec!r}: '...' is only supported on the activation operand")
+  if "..." in xs:
+    free = [c for c in string.ascii_uppercase if c not in spec]
+    n = ndim_x - (len(xs) - 3)
+    fill = "".join(free[:n])
+    xs, out = xs.replace("...", fill), out.replace("...", fill)
+  return xs, ws, out
+
+
+def _align(a: jax.Array, subs: str, out: str) -> jax.Array:
+  """Transposes/reshapes `a` (subscripts `subs`, all in `out`) to broadcast against `out`."""
+  order = sorted(range(len(subs)), key=lambda i: out.index(subs[i]))
+  a = jnp.transpose(a, order)
+  kept = "".join(subs[i] for i in order)
+  return a.reshape([a.shape[kept.index(c)] if c in kept else 1 for c in out])
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None,
+           quant: QuantConfig | None = None, out_dtype=None) -> jax.Array:
+  """`jnp.einsum(spec, x, w)`, with `w` in FP8 when `scale` is given.
+
+  Without a scale this IS jnp.einsum (the unquantized model is bit-identical). With one, `scale` has
+  w's non-contracted axes (per output channel); per `quant.activations`, x is quantized per token
+  over its contracted axes (FP8 x FP8) or kept (weight-only, w upcast to x's dtype). The product
+  accumulates in f32; scales are applied to the accumulator; the result has x's dtype.
+  """
+  if scale is None:
+    return jnp.einsum(spec, x, w)
+  out_dtype = out_dtype or x.dtype
+  xs, ws, out = _expand_ellipsis(spec, x.ndim)
+  contracted = [c for c in xs if c in ws and c not in out]
+  x_keep = "".join(c for c in xs if c not in contracted)
+  w_keep = "".join(c for c in ws if c not in contracted)
+  if scale.ndim != len(w_keep):
+    raise ValueError(f"einsum {spec!r}: scale has shape {scale.shape}, expected one entry per "
+                     f"output channel of w (axes {w_keep!r} of {w.shape})")
+  full = f"{xs},{ws}->{out}"
+  if quant is not None and quant.quantize_activations:
+    xq, x_scale = quantize_rows(x, [xs.index(c) for c in contracted], quant.activation_scale_ub)
+    acc = jnp.einsum(full, xq, w, preferred_element_type=jnp.float32)
+    acc = acc * _align(x_scale, x_keep, out)
+  else:
+    acc = jnp.einsum(full, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+  return (acc * _align(scale.astype(jnp.float32), w_keep, out)).astype(out_dtype)

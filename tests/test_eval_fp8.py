@@ -1,0 +1,70 @@
+"""BF16-vs-FP8 parity metrics (maverick.quant.parity) and scripts/eval_fp8.py."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from maverick import config as config_lib
+from maverick import model as model_lib
+from maverick import quant
+from maverick.quant import parity
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_greedy_agreement_counts():
+  ga = parity.greedy_agreement([[1, 2, 3, 4], [5, 6], [7, 8, 9, 9]],
+                               [[1, 2, 0, 4], [5, 6], [1, 8, 9, 9]])
+  assert ga.prompts == 3 and ga.tokens == 10 and ga.exact == 1
+  assert ga.token_agreement == pytest.approx(8 / 10)
+  assert ga.prefix_agreement == pytest.approx((2 / 4 + 1 + 0) / 3)
+
+
+def test_teacher_forced_metrics_against_numpy():
+  cfg = config_lib.tiny("float32")
+  ref = model_lib.init_model(cfg, seed=4)
+  test = quant.quantize_model(ref, quant.QuantConfig(kv_cache="fp8"))
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(0, 512, (3, 16)).astype(np.int32)
+  targets = rng.integers(0, 512, (3, 16)).astype(np.int32)
+  targets[2, 10:] = -1
+  same = parity.teacher_forced(ref, ref, inputs, targets, batch_size=2)
+  assert same.tokens == 42 and same.top1_agreement == 1.0
+  assert abs(same.mean_kl) < 1e-6 and same.ppl_bf16 == pytest.approx(same.ppl_fp8)
+  got = parity.teacher_forced(ref, test, inputs, targets, batch_size=2)
+  # NumPy reference from the two models' logits (the FP8 one through its FP8 KV cache).
+  from maverick import kv_cache as kvc
+  lr = np.asarray(ref(inputs).logits, np.float64)
+  lt = np.asarray(test(inputs, cache=kvc.KVCache.init(test.config, 3, 16)).logits, np.float64)
+  logsm = lambda x: x - x.max(-1, keepdims=True) - np.log(
+      np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+  pr, pt = logsm(lr), logsm(lt)
+  m = targets >= 0
+  nll = lambda lp: -np.take_along_axis(lp, np.maximum(targets, 0)[..., None], -1)[..., 0][m].mean()
+  assert got.top1_agreement == pytest.approx((pr.argmax(-1) == pt.argmax(-1))[m].mean())
+  assert got.mean_kl == pytest.approx((np.exp(pr) * (pr - pt)).sum(-1)[m].mean(), rel=1e-3)
+  assert got.ppl_bf16 == pytest.approx(math.exp(nll(pr)), rel=1e-4)
+  assert got.ppl_fp8 == pytest.approx(math.exp(nll(pt)), rel=1e-4)
+
+
+def test_eval_fp8_cli(tmp_path):
+  out = tmp_path / "r.json"
+  r = subprocess.run(
+      [sys.executable, str(REPO / "scripts" / "eval_fp8.py"), "--max_files=2", "--max_windows=4",
+       "--seq_len=64", "--prompts=2", "--gen_tokens=8", "--kv_cache=fp8", f"--out_json={out}"],
+      check=False, capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+  assert r.returncode == 0, r.stderr[-2000:]
+  res = json.loads(out.read_text())
+  assert res["quant"]["kv_cache"] == "fp8" and res["teacher_forced"]["tokens"] > 0
+  assert res["speculative"]["fp8_lossless"] is True
+  assert "top-1 agreement" in r.stdout
+  bad = subprocess.run([sys.executable, str(REPO / "scripts" / "eval_fp8.py"), "--seq_len=0"],
+                       check=False, capture_output=True, text=True, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+  assert bad.returncode == 1 and "--seq_len must be >= 1" in bad.stderr
