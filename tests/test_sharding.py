@@ -70,6 +70,35 @@ def test_eight_way_logits_match_single_device(layout, mesh_kw):
                              atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("layout,mesh_kw", [("tp", dict(tensor=8)), ("ep", dict(expert=2, tensor=4))])
+def test_fp8_model_logits_match_single_device(layout, mesh_kw):
+  """FP8 weights (router, routed and shared experts, attention, MLP): their scales are sharded with
+  the weights' output axes inside the sharded MoE. Weight-only FP8 has the same arithmetic on one
+  device and on the mesh (1e-5). With per-token FP8 activations a row-parallel shard scales its own
+  slice of the row (a finer-grained scale than one device's), so the two differ by FP8 rounding:
+  the mesh's error against the unquantized model must be no worse than one device's (x1.25)."""
+  from maverick.quant import QuantConfig, quantize_model
+  cfg = wide_config()
+  tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 24))
+  mesh = sharding.make_mesh(**mesh_kw)
+  exact = {t.shape: _logits(model_lib.init_model(cfg, seed=3), t) for t in (tokens, tokens[:, :2])}
+  for activations in ("none", "dynamic_per_token"):
+    quant = QuantConfig(activations=activations, skip=("embed", "lm_head"))  # FP8 router too
+    reference = quantize_model(model_lib.init_model(cfg, seed=3), quant)
+    model = sharding.shard_model(quantize_model(model_lib.init_model(cfg, seed=3), quant), mesh,
+                                 layout)
+    assert model.layers[1].ffn.gate[...].dtype == jnp.float8_e4m3fn
+    assert model.layers[1].ffn.router_scale is not None
+    for t in (tokens, tokens[:, :2]):  # grouped and gathered expert paths
+      got, want = _logits(model, t), _logits(reference, t)
+      if activations == "none":
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+      else:
+        f32 = exact[t.shape]
+        assert np.abs(got - f32).mean() <= 1.25 * np.abs(want - f32).mean()
+        assert (got.argmax(-1) == f32.argmax(-1)).mean() >= (want.argmax(-1) == f32.argmax(-1)).mean() - 0.05
+
+
 def _prompts(n, seed, vocab=512):
   rng = np.random.default_rng(seed)
   return [rng.integers(0, vocab, rng.integers(3, 20)).tolist() for _ in range(n)]
