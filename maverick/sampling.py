@@ -69,10 +69,22 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
   return jnp.where((params.temperature > 0)[:, None], probs, greedy)
 
 
+def draw(key: jax.Array, log_probs: jax.Array, params: SamplingParams) -> jax.Array:
+  """jax.random.categorical over the last axis, skipped when every row is greedy: then each row's
+  distribution is one-hot and its argmax is the draw. Generating B x V random numbers per token
+  costs more than a small model's decode step on CPU."""
+  sampled = jnp.any(params.temperature > 0)
+  return jax.lax.cond(sampled, lambda: jax.random.categorical(key, log_probs, axis=-1),
+                      lambda: jnp.argmax(log_probs, axis=-1)).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
   """One token per row [B] int32."""
   greedy = jnp.argmax(logits, axis=-1)
-  drawn = jax.random.categorical(key, processed_logits(logits, params), axis=-1)
+  drawn = jax.lax.cond(
+      jnp.any(params.temperature > 0),
+      lambda: jax.random.categorical(key, processed_logits(logits, params), axis=-1),
+      lambda: greedy)
   return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
 
 

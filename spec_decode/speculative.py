@@ -53,7 +53,7 @@ def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, pa
   for j in range(k):
     key, sub = jax.random.split(key)
     q = sampling.probabilities(draft.lift_logits(logits, vocab), params)
-    tok = jax.random.categorical(sub, jnp.log(q), axis=-1).astype(jnp.int32)
+    tok = sampling.draw(sub, jnp.log(q), params)
     tokens.append(tok)
     probs.append(q)
     if j + 1 < k:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from maverick import kv_cache as kvc
+from maverick import sampling
 from maverick.model import TreeMask
 from spec_decode.verify import target_probabilities
 
@@ -198,7 +199,7 @@ def verify_tree(logits_btv, tokens_bt, parents, depths, params, key, max_depth: 
       tried.astype(p.dtype))
   residual = p_cur * (1.0 - removed)
   residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_cur)
-  nxt = jax.random.categorical(k_next, jnp.log(residual), axis=-1).astype(jnp.int32)
+  nxt = sampling.draw(k_next, jnp.log(residual), params)
   return n, nxt, jnp.stack(path, 1)
 
 

@@ -64,5 +64,5 @@ def verify_chain(logits_btv: jax.Array, cand: Candidates, params: sampling.Sampl
   residual = jnp.maximum(p_n - q_n, 0.0)
   # p == q leaves nothing to correct with (then rejection had probability 0): fall back to p.
   residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_n)
-  nxt = jax.random.categorical(k_next, jnp.log(residual), axis=-1)
-  return n.astype(jnp.int32), nxt.astype(jnp.int32)
+  nxt = sampling.draw(k_next, jnp.log(residual), params)
+  return n.astype(jnp.int32), nxt
