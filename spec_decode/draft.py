@@ -166,10 +166,15 @@ class Eagle3Draft(nnx.Module):
     return draft_ids + self.d2t[...][draft_ids]
 
   def lift_logits(self, logits_vd, target_vocab: int):
-    """Draft-vocab logits -> target-vocab logits, -inf outside the draft vocabulary."""
-    ids = self.target_ids(jnp.arange(logits_vd.shape[-1]))
-    out = jnp.full(logits_vd.shape[:-1] + (target_vocab,), -jnp.inf, logits_vd.dtype)
-    return out.at[..., ids].set(logits_vd)
+    """Draft-vocab logits -> target-vocab logits, -inf outside the draft vocabulary.
+
+    A gather through the inverse id map (one Vd-sized scatter per call, not per row): a per-row
+    scatter of B x Vd elements is slow on CPU."""
+    Vd = logits_vd.shape[-1]
+    source = jnp.full((target_vocab,), -1, jnp.int32).at[self.target_ids(jnp.arange(Vd))].set(
+        jnp.arange(Vd, dtype=jnp.int32))
+    lifted = jnp.take(logits_vd, jnp.maximum(source, 0), axis=-1)
+    return jnp.where(source >= 0, lifted, jnp.asarray(-jnp.inf, logits_vd.dtype))
 
   def init_cache(self, batch_size: int, capacity: int) -> kvc.KVCache:
     return kvc.KVCache.init(self.config.layer, batch_size, capacity, num_layers=1)
