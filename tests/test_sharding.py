@@ -110,10 +110,11 @@ def test_greedy_generation_matches_single_device(hf_fixture_dir, hf_fixture, fix
   model = _sharded_fixture(hf_fixture_dir, layout, mesh_kw)
   prompts = [hf_fixture["inputs"][0].tolist()] + _prompts(3, seed=1)
   kw = dict(max_new_tokens=12, stop_tokens=[])
-  gen._EXECUTABLES.clear()  # another test in this process may have compiled the same program
+  gen._EXECUTABLES.clear()
   with count_compiles() as compiles:
     out = gen.generate(model, prompts, **kw)
-  assert len(compiles) == 1, "a sharded generate call is still one compiled executable"
+  # At most one: JAX's own cache may already hold this program from another test in the process.
+  assert len(compiles) <= 1, "a sharded generate call is still one compiled executable"
   assert out.tokens == gen.generate(fixture_model, prompts, **kw).tokens
   assert out.tokens[0] == hf_fixture["greedy"][:12].tolist()
 
@@ -126,10 +127,10 @@ def test_speculative_greedy_matches_single_device(hf_fixture_dir, fixture_model,
   draft = sharding.shard_model(draft_lib.init_draft(dcfg, seed=1), mesh, layout)
   prompts = _prompts(4, seed=2)
   kw = dict(k=3, max_new_tokens=12, stop_tokens=[])
-  spec._EXECUTABLES.clear()  # another test in this process may have compiled the same program
+  spec._EXECUTABLES.clear()
   with count_compiles() as compiles:
     out = spec.generate(model, draft, prompts, **kw)
-  assert len(compiles) == 1
+  assert len(compiles) <= 1  # one program (JAX's own cache may already hold it)
   single = spec.generate(fixture_model, draft_lib.init_draft(dcfg, seed=1), prompts, **kw)
   assert out.tokens == single.tokens
   np.testing.assert_array_equal(out.accepted, single.accepted)
