@@ -1,0 +1,139 @@
+"""What every kernel folder shares: the `implementation=` switch, the target architecture, GPU
+interpret mode for CPU tests, and the error type for bad input.
+
+`implementation`:
+  "xla"    the plain-jnp reference (runs anywhere);
+  "pallas" the Mosaic GPU kernel: on a Hopper (sm_90) or Blackwell (sm_100) GPU, or on any backend
+           inside `pallas_kernels.interpret()` (GPU interpret mode: slow, for tests);
+  None     auto: "pallas" where it can run (a Hopper/Blackwell GPU, or inside `interpret()`) and the
+           op supports the shapes, "xla" otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+from jax._src import config as jax_config
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+IMPLEMENTATIONS = ("xla", "pallas")
+ARCHS = ("sm90", "sm100")
+
+# Interpret mode has no GPU to ask: the architecture to emulate (and whose kernels to pick).
+_forced_arch: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "pallas_kernels_forced_arch", default=None)
+# Persistent kernels size their grid by the SM count; in interpret mode every simulated SM is a
+# host thread, so keep it small.
+INTERPRET_NUM_SMS = 2
+
+
+class KernelInputError(ValueError):
+  """An input a kernel cannot take: the message names the argument, what it got and the fix."""
+
+
+def check(ok: bool, message: str) -> None:
+  if not ok:
+    raise KernelInputError(message)
+
+
+def gpu_arch() -> str | None:
+  """"sm90" / "sm100" for the default device when it is a Hopper / Blackwell GPU, else None."""
+  device = jax.devices()[0]
+  cc = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or not cc or cc.startswith("gfx"):
+    return None
+  major = int(cc.split(".")[0])
+  if major == 9:
+    return "sm90"
+  if major == 10:
+    return "sm100"
+  return None
+
+
+def interpreting() -> bool:
+  """True inside `interpret()` (or any Pallas GPU interpret-mode context)."""
+  return isinstance(jax_config.pallas_tpu_interpret_mode_context_manager.value,
+                    plgpu.InterpretGPUParams)
+
+
+def target_arch() -> str:
+  """The architecture whose kernel runs: the GPU's, or the one `interpret(arch=...)` emulates."""
+  forced = _forced_arch.get()
+  if interpreting():
+    return forced or "sm90"
+  if forced:  # lower_for_gpu
+    return forced
+  arch = gpu_arch()
+  if arch is None:
+    raise KernelInputError(
+        f"implementation='pallas' needs a Hopper (sm_90) or Blackwell (sm_100) GPU; this backend "
+        f"is {jax.devices()[0].platform!r} ({jax.devices()[0].device_kind}). Use "
+        f"implementation='xla', or run inside pallas_kernels.interpret() (GPU interpret mode, slow).")
+  return arch
+
+
+# SM counts of the parts we target, for lowering without the GPU (H100/H200: 132, B200: 148).
+_NUM_SMS = {"sm90": 132, "sm100": 148}
+
+
+def num_sms() -> int:
+  if interpreting():
+    return INTERPRET_NUM_SMS
+  if gpu_arch() is not None:
+    return jax.devices()[0].core_count
+  return _NUM_SMS[target_arch()]
+
+
+def resolve(implementation: str | None, *, supported: bool = True, why: str = "") -> str:
+  """"xla" or "pallas" for an op call. `supported`: whether the Pallas kernel takes these
+  shapes/dtypes (auto falls back to XLA when not; an explicit "pallas" raises with `why`)."""
+  if implementation not in (None, *IMPLEMENTATIONS):
+    raise KernelInputError(
+        f"implementation={implementation!r}; choose one of {IMPLEMENTATIONS} or None (auto)")
+  if implementation == "xla":
+    return "xla"
+  if implementation == "pallas":
+    target_arch()  # raises with the fix when there is nothing to run the kernel on
+    check(supported, f"the Pallas kernel does not support this input: {why}. Use "
+          f"implementation='xla' (or None to fall back automatically).")
+    return "pallas"
+  runnable = interpreting() or gpu_arch() is not None
+  return "pallas" if runnable and supported else "xla"
+
+
+@contextlib.contextmanager
+def interpret(arch: str = "sm90", *, detect_races: bool = True) -> Iterator[None]:
+  """Runs Pallas kernels called (traced) inside in GPU interpret mode on the host, emulating `arch`.
+
+  Race detection is on by default (tests want it); a race raises. Blackwell's tcgen05 path needs inline MGPU
+  ops ignored by the interpreter. Pass arrays traced inside; jit caches do not key on this context,
+  so call un-jitted functions or jit them inside the context."""
+  check(arch in ARCHS, f"interpret(arch={arch!r}); choose one of {ARCHS}")
+  params = plgpu.InterpretGPUParams(
+      detect_races=detect_races, inline_mgpu="ignore" if arch == "sm100" else "error")
+  token = _forced_arch.set(arch)
+  try:
+    with plgpu.force_gpu_interpret_mode(params):
+      yield
+  finally:
+    _forced_arch.reset(token)
+
+
+def lower_for_gpu(fn, *args, arch: str = "sm90") -> str:
+  """Lowers `fn(*args)` (ShapeDtypeStructs are fine) for CUDA on any host and returns the StableHLO
+  text. Pallas runs Mosaic GPU layout inference and dialect lowering here, so unsupported layouts,
+  non-K-major FP8 wgmma operands and the like fail on CPU, before a GPU ever sees the kernel."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  check(arch in ARCHS, f"arch={arch!r}; choose one of {ARCHS}")
+  cc = {"sm90": (9, 0), "sm100": (10, 0)}[arch]
+  saved = mgpu_utils._infer_arch
+  mgpu_utils._infer_arch = lambda: cc
+  token = _forced_arch.set(arch)
+  try:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  finally:
+    mgpu_utils._infer_arch = saved
+    _forced_arch.reset(token)
