@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 
 import jax
 from jax._src import config as jax_config
@@ -137,3 +138,20 @@ def lower_for_gpu(fn, *args, arch: str = "sm90") -> str:
   finally:
     mgpu_utils._infer_arch = saved
     _forced_arch.reset(token)
+
+
+@dataclasses.dataclass
+class BenchCase:
+  """One benchmark entry for `benchmarks/kernels.py`, provided by each op's `bench.py` as
+  `benchmark_cases(toy: bool) -> list[BenchCase]` (toy: tiny shapes for `--interpret` on CPU;
+  otherwise Maverick shapes). All callables take `*args` and are jitted by the runner."""
+  op: str  # "fp8_gemm", "grouped_gemm", "prefill_attention", "decode_attention"
+  name: str  # the shape/regime, e.g. "decode M=16 N=5120 K=5120"
+  args: tuple  # device arrays, random from a fixed seed
+  kernel: Callable  # the Pallas kernel (implementation="pallas")
+  reference: Callable  # the XLA reference: correctness is checked against it
+  baselines: dict[str, Callable]  # what the issue says to beat, e.g. {"ragged_dot": ...}
+  flops: float  # useful FLOPs of one call
+  bytes: float  # minimum HBM bytes one call must move
+  max_rel_error: float  # allowed max |kernel - reference| / max |reference|
+  goal: str = ""  # e.g. ">= 80% of HBM bandwidth" or ">= 1.0x ragged_dot"
