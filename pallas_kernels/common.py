@@ -76,6 +76,14 @@ def target_arch() -> str:
   return arch
 
 
+def runnable_arch() -> str | None:
+  """The architecture a Pallas kernel would run on now, or None when there is none (CPU/other GPU
+  outside interpret mode)."""
+  if interpreting() or _forced_arch.get():
+    return target_arch()
+  return gpu_arch()
+
+
 # SM counts of the parts we target, for lowering without the GPU (H100/H200: 132, B200: 148).
 _NUM_SMS = {"sm90": 132, "sm100": 148}
 
@@ -101,8 +109,7 @@ def resolve(implementation: str | None, *, supported: bool = True, why: str = ""
     check(supported, f"the Pallas kernel does not support this input: {why}. Use "
           f"implementation='xla' (or None to fall back automatically).")
     return "pallas"
-  runnable = interpreting() or gpu_arch() is not None
-  return "pallas" if runnable and supported else "xla"
+  return "pallas" if runnable_arch() is not None and supported else "xla"
 
 
 @contextlib.contextmanager

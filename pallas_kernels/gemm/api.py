@@ -1,0 +1,115 @@
+"""`gemm`: x @ w.T with optional per-row (token) and per-column (output channel) scales, f32
+accumulation, the scales applied to the accumulator in the epilogue. bf16 x bf16, or e4m3 x e4m3
+(the FP8 path of quantized layers). Weights are (N, K): K-major, as FP8 tensor cores need."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels.common import check
+from pallas_kernels.gemm import reference, sm90
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+BF16 = jnp.dtype(jnp.bfloat16)
+_SUPPORTED = ((BF16, BF16), (FP8, FP8))
+TILE_K_BYTES = 128  # one 128-byte swizzle row per K step
+_KERNELS = {"sm90": sm90.gemm}
+
+
+def _validate(x, w, x_scale, w_scale, out_dtype):
+  check(x.ndim >= 1 and w.ndim == 2,
+        f"gemm takes x [..., K] and w [N, K]; got x {x.shape}, w {w.shape}")
+  check(x.shape[-1] == w.shape[1],
+        f"gemm: x {x.shape} and w {w.shape} disagree on K (x's last axis, w's axis 1); weights "
+        f"are stored (N, K) (K-major): transpose a (K, N) weight once when loading it")
+  if x_scale is not None:
+    check(x_scale.shape == x.shape[:-1],
+          f"gemm: x_scale has shape {x_scale.shape}; it must be one scale per row of x, shape "
+          f"{x.shape[:-1]}")
+  if w_scale is not None:
+    check(w_scale.shape == (w.shape[0],),
+          f"gemm: w_scale has shape {w_scale.shape}; it must be one scale per output channel, "
+          f"shape ({w.shape[0]},)")
+  check(jnp.dtype(out_dtype) in (BF16, jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)),
+        f"gemm: out_dtype={jnp.dtype(out_dtype)}; use bfloat16, float16 or float32")
+  for name, a in (("x", x), ("w", w)):
+    check(jnp.issubdtype(a.dtype, jnp.floating),
+          f"gemm: {name} has dtype {a.dtype}; it must be a float (bf16 or float8_e4m3fn)")
+
+
+def pallas_support(x_dtype, w_dtype, n: int, k: int) -> tuple[bool, str]:
+  """(supported, why not) for the Pallas kernel."""
+  pair = (jnp.dtype(x_dtype), jnp.dtype(w_dtype))
+  if pair not in _SUPPORTED:
+    return False, (f"dtypes x {pair[0]}, w {pair[1]}: the kernel takes bf16 x bf16 or e4m3 x e4m3 "
+                   f"(quantize x per token for FP8 weights)")
+  tile_k = TILE_K_BYTES // pair[0].itemsize
+  if k % tile_k:
+    return False, f"K={k} must be a multiple of {tile_k} ({TILE_K_BYTES} bytes of {pair[0]})"
+  if n % 32:
+    return False, f"N={n} must be a multiple of 32"
+  return True, ""
+
+
+def default_config(m: int, n: int, k: int, dtype) -> sm90.Config:
+  """Decode (M <= 64): one 64-row tile, the compute WGs split N, split-K until every SM has work
+  (the weight stream is the whole cost). Prefill: 256 x 128 CTA tiles, WGs split M."""
+  tile_k = TILE_K_BYTES // jnp.dtype(dtype).itemsize
+  k_steps = k // tile_k
+  if m <= 64:
+    tile_n = next(t for t in (64, 32, 16) if n % (2 * t) == 0)
+    cfg = sm90.Config(64, tile_n, tile_k, stages=4, wg_split="n")
+  else:
+    tile_m = 64 if m <= 128 else 128
+    tile_n = next(t for t in (128, 64, 32) if n % t == 0)
+    cfg = sm90.Config(tile_m, tile_n, tile_k, stages=3, wg_split="m")
+  tiles = math.ceil(m / cfg.cta_m) * (n // cfg.cta_n)
+  splits = 1
+  while (tiles * splits < common.num_sms() and k_steps % (2 * splits) == 0
+         and k_steps // (2 * splits) >= cfg.stages):
+    splits *= 2
+  return sm90.Config(cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages, cfg.wg_split, splits)
+
+
+def gemm(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
+         w_scale: jax.Array | None = None, *, out_dtype=jnp.bfloat16,
+         implementation: str | None = None, config: sm90.Config | None = None) -> jax.Array:
+  """(x @ w.T) * x_scale[..., None] * w_scale -> [..., N] out_dtype, accumulated in f32.
+
+  x [..., K] (bf16, or e4m3 quantized per row with f32 `x_scale` [...]); w [N, K] (bf16, or e4m3
+  with f32 `w_scale` [N]). A missing scale is 1. Any number of rows (padded to the tile inside)."""
+  _validate(x, w, x_scale, w_scale, out_dtype)
+  n, k = w.shape
+  ok, why = pallas_support(x.dtype, w.dtype, n, k)
+  arch = common.runnable_arch()
+  if ok and arch is not None and arch not in _KERNELS:
+    ok, why = False, f"no {arch} kernel yet"
+  impl = common.resolve(implementation, supported=ok, why=why)
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, k)
+  xs = None if x_scale is None else x_scale.reshape(-1).astype(jnp.float32)
+  ws = None if w_scale is None else w_scale.astype(jnp.float32)
+  if impl == "xla":
+    return reference.gemm(x2, w, xs, ws, out_dtype=out_dtype).reshape(*lead, n)
+  m = x2.shape[0]
+  if m == 0:
+    return jnp.zeros((*lead, n), out_dtype)
+  cfg = config or default_config(m, n, k, x.dtype)
+  m_pad = -(-m // cfg.cta_m) * cfg.cta_m
+  if (xs is None) != (ws is None):  # the kernel's epilogue takes both or neither
+    xs = jnp.ones((m,), jnp.float32) if xs is None else xs
+    ws = jnp.ones((n,), jnp.float32) if ws is None else ws
+  if m_pad != m:
+    x2 = jnp.pad(x2, ((0, m_pad - m), (0, 0)))
+    xs = None if xs is None else jnp.pad(xs, (0, m_pad - m))
+  out = _KERNELS[arch](x2, w, xs, ws, cfg=cfg, out_dtype=out_dtype)
+  if cfg.k_splits > 1:  # f32 partials: reduce, then the epilogue XLA fuses into the reduction
+    out = out.sum(0)
+    if xs is not None:
+      out = out * xs[:, None] * ws[None, :]
+    out = out.astype(out_dtype)
+  return out[:m].reshape(*lead, n)

@@ -1,0 +1,123 @@
+"""pallas_kernels.gemm: the Hopper kernel in GPU interpret mode (races detected) against float64
+NumPy, its lowering to Mosaic GPU at Maverick shapes, the XLA path, and bad input.
+
+Tolerance: the inputs (bf16 or e4m3) and scales are exact in float64, the kernel accumulates in
+f32 (relative error ~K * 2^-24 of sum |x||w|, negligible here) and rounds the output to bf16 once
+(relative error <= 2^-9). So |out - ref| <= 2^-8 |ref| + 1e-5 * (|x| @ |w|.T) * scales."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from pallas_kernels import KernelInputError, gemm as gemm_lib
+from pallas_kernels.gemm import sm90
+
+FP8 = jnp.float8_e4m3fn
+S = jax.ShapeDtypeStruct
+
+
+def _inputs(seed, m, n, k, dtype, scaled):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(m, k)) * 2, dtype)
+  w = jnp.asarray(rng.normal(size=(n, k)), dtype)
+  xs = jnp.asarray(rng.uniform(0.01, 2, size=m), jnp.float32) if scaled else None
+  ws = jnp.asarray(rng.uniform(0.01, 2, size=n), jnp.float32) if scaled else None
+  return x, w, xs, ws
+
+
+def _reference(x, w, xs, ws):
+  xf, wf = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  ref, mag = xf @ wf.T, np.abs(xf) @ np.abs(wf).T
+  if xs is not None:
+    scale = np.asarray(xs, np.float64)[:, None] * np.asarray(ws, np.float64)[None, :]
+    ref, mag = ref * scale, mag * scale
+  return ref, mag
+
+
+def _check(out, ref, mag):
+  out = np.asarray(out, np.float64)
+  assert out.shape == ref.shape
+  bound = 2.0 ** -8 * np.abs(ref) + 1e-5 * mag
+  worst = np.max(np.abs(out - ref) - bound)
+  assert worst <= 0, f"exceeds the bf16 bound by {worst}"
+
+
+@pytest.mark.parametrize("m,n,k,dtype,scaled,config", [
+    (1, 128, 256, FP8, True, None),  # decode, one token: 63 padding rows
+    (5, 96, 384, FP8, True, None),  # odd M; N a multiple of 32 only (narrow tiles)
+    (70, 128, 256, FP8, True, None),  # just past one 64-row tile: a second, mostly padding
+    (64, 128, 512, FP8, True, sm90.Config(64, 64, 128, 2, "n", k_splits=2)),  # split-K
+    (130, 128, 256, FP8, True, sm90.Config(64, 64, 128, 2, "m")),  # WGs split M, 3 CTA rows
+    (3, 128, 128, jnp.bfloat16, False, None),  # the bf16 path
+    (9, 64, 256, FP8, False, None),  # FP8 without scales
+])
+def test_kernel_matches_float64(m, n, k, dtype, scaled, config):
+  x, w, xs, ws = _inputs(m * 7 + n, m, n, k, dtype, scaled)
+  with pallas_kernels.interpret():
+    out = gemm_lib.gemm(x, w, xs, ws, implementation="pallas", config=config)
+  assert out.dtype == jnp.bfloat16
+  _check(out, *_reference(x, w, xs, ws))
+
+
+def test_one_scale_and_leading_axes():
+  x, w, xs, _ = _inputs(3, 6, 64, 128, FP8, True)
+  x3, xs3 = x.reshape(2, 3, 128), xs.reshape(2, 3)
+  with pallas_kernels.interpret():
+    out = gemm_lib.gemm(x3, w, xs3, None, implementation="pallas", out_dtype=jnp.float32)
+  assert out.shape == (2, 3, 64) and out.dtype == jnp.float32
+  ref, mag = _reference(x, w, None, None)
+  ref, mag = ref * np.asarray(xs, np.float64)[:, None], mag * np.asarray(xs, np.float64)[:, None]
+  np.testing.assert_allclose(np.asarray(out, np.float64).reshape(6, 64), ref, rtol=1e-5,
+                             atol=1e-6 * mag.max())
+
+
+def test_xla_path_and_auto_on_cpu():
+  x, w, xs, ws = _inputs(11, 7, 64, 128, FP8, True)
+  ref, mag = _reference(x, w, xs, ws)
+  for impl in ("xla", None):  # auto is XLA without a GPU
+    out = gemm_lib.gemm(x, w, xs, ws, implementation=impl, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=1e-5, atol=1e-6 * mag.max())
+
+
+@pytest.mark.parametrize("m,n,k,dtype", [
+    (16, 5120, 5120, FP8),  # decode: q/k/v/o-sized projection, split-K
+    (64, 16384, 5120, FP8),  # decode: dense MLP gate/up
+    (4, 202048, 5120, jnp.bfloat16),  # LM head (N a multiple of 32, not 128)
+    (4096, 8192, 5120, FP8),  # prefill
+    (4096, 5120, 8192, jnp.bfloat16),  # prefill, bf16
+    (1000, 5120, 5120, FP8),  # prefill, M not a tile multiple
+])
+def test_lowers_to_mosaic_gpu_at_maverick_shapes(m, n, k, dtype):
+  scaled = dtype == FP8
+  args = (S((m, k), dtype), S((n, k), dtype), S((m,), jnp.float32) if scaled else None,
+          S((n,), jnp.float32) if scaled else None)
+  hlo = pallas_kernels.lower_for_gpu(
+      lambda x, w, xs, ws: gemm_lib.gemm(x, w, xs, ws, implementation="pallas"), *args)
+  assert "mosaic_gpu" in hlo
+
+
+def test_bad_input():
+  x, w, xs, ws = _inputs(1, 4, 64, 128, FP8, True)
+  with pytest.raises(KernelInputError, match="disagree on K"):
+    gemm_lib.gemm(x, w[:, :64])
+  with pytest.raises(KernelInputError, match="x_scale has shape"):
+    gemm_lib.gemm(x, w, xs[:3], ws)
+  with pytest.raises(KernelInputError, match=r"w_scale has shape \(4,\)"):
+    gemm_lib.gemm(x, w, xs, xs)
+  with pytest.raises(KernelInputError, match="implementation='cuda'"):
+    gemm_lib.gemm(x, w, implementation="cuda")
+  with pytest.raises(KernelInputError, match="interpret"):  # no GPU here
+    gemm_lib.gemm(x, w, xs, ws, implementation="pallas")
+  with pallas_kernels.interpret():
+    with pytest.raises(KernelInputError, match="e4m3 x e4m3"):
+      gemm_lib.gemm(x.astype(jnp.bfloat16), w, None, ws, implementation="pallas")
+    with pytest.raises(KernelInputError, match="K=96 must be a multiple of 128"):
+      gemm_lib.gemm(x[:, :96], w[:, :96], xs, ws, implementation="pallas")
+    with pytest.raises(KernelInputError, match="N=40 must be a multiple of 32"):
+      gemm_lib.gemm(x, w[:40], xs, ws[:40], implementation="pallas")
+    # auto falls back to XLA where the kernel cannot go
+    out = gemm_lib.gemm(x.astype(jnp.bfloat16), w, None, ws)
+    assert out.shape == (4, 64)
