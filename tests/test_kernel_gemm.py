@@ -62,6 +62,18 @@ def test_kernel_matches_float64(m, n, k, dtype, scaled, config):
   _check(out, *_reference(x, w, xs, ws))
 
 
+@pytest.mark.parametrize("m,n,k,dtype,scaled", [
+    (5, 128, 256, FP8, True),  # decode: 123 padding rows of a 128-row tile
+    (130, 256, 384, FP8, True),  # two M tiles, three K steps
+    (3, 128, 128, jnp.bfloat16, False),
+])
+def test_blackwell_kernel_matches_float64(m, n, k, dtype, scaled):
+  x, w, xs, ws = _inputs(m * 5 + k, m, n, k, dtype, scaled)
+  with pallas_kernels.interpret(arch="sm100"):  # tcgen05 + TMEM, simulated
+    out = gemm_lib.gemm(x, w, xs, ws, implementation="pallas")
+  _check(out, *_reference(x, w, xs, ws))
+
+
 def test_one_scale_and_leading_axes():
   x, w, xs, _ = _inputs(3, 6, 64, 128, FP8, True)
   x3, xs3 = x.reshape(2, 3, 128), xs.reshape(2, 3)
@@ -90,12 +102,14 @@ def test_xla_path_and_auto_on_cpu():
     (4096, 5120, 8192, jnp.bfloat16),  # prefill, bf16
     (1000, 5120, 5120, FP8),  # prefill, M not a tile multiple
 ])
-def test_lowers_to_mosaic_gpu_at_maverick_shapes(m, n, k, dtype):
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_lowers_to_mosaic_gpu_at_maverick_shapes(m, n, k, dtype, arch):
   scaled = dtype == FP8
   args = (S((m, k), dtype), S((n, k), dtype), S((m,), jnp.float32) if scaled else None,
           S((n,), jnp.float32) if scaled else None)
   hlo = pallas_kernels.lower_for_gpu(
-      lambda x, w, xs, ws: gemm_lib.gemm(x, w, xs, ws, implementation="pallas"), *args)
+      lambda x, w, xs, ws: gemm_lib.gemm(x, w, xs, ws, implementation="pallas"), *args,
+      arch=arch)
   assert "mosaic_gpu" in hlo
 
 

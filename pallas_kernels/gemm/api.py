@@ -11,13 +11,13 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.common import check
-from pallas_kernels.gemm import reference, sm90
+from pallas_kernels.gemm import reference, sm90, sm100
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
 _SUPPORTED = ((BF16, BF16), (FP8, FP8))
 TILE_K_BYTES = 128  # one 128-byte swizzle row per K step
-_KERNELS = {"sm90": sm90.gemm}
+_KERNELS = {"sm90": sm90.gemm, "sm100": sm100.gemm}
 
 
 def _validate(x, w, x_scale, w_scale, out_dtype):
@@ -99,6 +99,8 @@ def gemm(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
   if m == 0:
     return jnp.zeros((*lead, n), out_dtype)
   cfg = config or default_config(m, n, k, x.dtype)
+  if arch == "sm100":
+    cfg = sm100.config_for(cfg)
   m_pad = -(-m // cfg.cta_m) * cfg.cta_m
   if (xs is None) != (ws is None):  # the kernel's epilogue takes both or neither
     xs = jnp.ones((m,), jnp.float32) if xs is None else xs
