@@ -53,6 +53,7 @@ def _check(out, ref, mag):
     (130, 128, 256, FP8, True, sm90.Config(64, 64, 128, 2, "m")),  # WGs split M, 3 CTA rows
     (3, 128, 128, jnp.bfloat16, False, None),  # the bf16 path
     (9, 64, 256, FP8, False, None),  # FP8 without scales
+    (7, 48, 96, FP8, True, None),  # N a multiple of 16 only, K of 32 only (narrow tiles)
 ])
 def test_kernel_matches_float64(m, n, k, dtype, scaled, config):
   x, w, xs, ws = _inputs(m * 7 + n, m, n, k, dtype, scaled)
@@ -72,6 +73,15 @@ def test_blackwell_kernel_matches_float64(m, n, k, dtype, scaled):
   with pallas_kernels.interpret(arch="sm100"):  # tcgen05 + TMEM, simulated
     out = gemm_lib.gemm(x, w, xs, ws, implementation="pallas")
   _check(out, *_reference(x, w, xs, ws))
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("m,n,k", [(3, 96, 48), (70, 64, 128)])
+def test_bf16_weights_stored_k_by_n(m, n, k, arch):
+  x, w, _, _ = _inputs(m + n + k, m, n, k, jnp.bfloat16, False)
+  with pallas_kernels.interpret(arch=arch):
+    out = gemm_lib.gemm(x, w.T, w_layout="kn", implementation="pallas")
+  _check(out, *_reference(x, w, None, None))
 
 
 def test_one_scale_and_leading_axes():
@@ -101,15 +111,19 @@ def test_xla_path_and_auto_on_cpu():
     (4096, 8192, 5120, FP8),  # prefill
     (4096, 5120, 8192, jnp.bfloat16),  # prefill, bf16
     (1000, 5120, 5120, FP8),  # prefill, M not a tile multiple
+    (16, 128, 5120, jnp.bfloat16),  # w stored (K, N) below: the model's bf16 layout
 ])
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_lowers_to_mosaic_gpu_at_maverick_shapes(m, n, k, dtype, arch):
   scaled = dtype == FP8
   args = (S((m, k), dtype), S((n, k), dtype), S((m,), jnp.float32) if scaled else None,
           S((n,), jnp.float32) if scaled else None)
+  layout = "kn" if n == 128 else "nk"
+  if layout == "kn":
+    args = (args[0], S((k, n), dtype), None, None)
   hlo = pallas_kernels.lower_for_gpu(
-      lambda x, w, xs, ws: gemm_lib.gemm(x, w, xs, ws, implementation="pallas"), *args,
-      arch=arch)
+      lambda x, w, xs, ws: gemm_lib.gemm(x, w, xs, ws, w_layout=layout, implementation="pallas"),
+      *args, arch=arch)
   assert "mosaic_gpu" in hlo
 
 
@@ -128,10 +142,12 @@ def test_bad_input():
   with pallas_kernels.interpret():
     with pytest.raises(KernelInputError, match="e4m3 x e4m3"):
       gemm_lib.gemm(x.astype(jnp.bfloat16), w, None, ws, implementation="pallas")
-    with pytest.raises(KernelInputError, match="K=96 must be a multiple of 128"):
-      gemm_lib.gemm(x[:, :96], w[:, :96], xs, ws, implementation="pallas")
-    with pytest.raises(KernelInputError, match="N=40 must be a multiple of 32"):
+    with pytest.raises(KernelInputError, match="K=80 must be a multiple of 32"):
+      gemm_lib.gemm(x[:, :80], w[:, :80], xs, ws, implementation="pallas")
+    with pytest.raises(KernelInputError, match="N=40 must be a multiple of 16"):
       gemm_lib.gemm(x, w[:40], xs, ws[:40], implementation="pallas")
+    with pytest.raises(KernelInputError, match="K-major"):
+      gemm_lib.gemm(x, w.T, xs, ws, w_layout="kn", implementation="pallas")
     # auto falls back to XLA where the kernel cannot go
     out = gemm_lib.gemm(x.astype(jnp.bfloat16), w, None, ws)
     assert out.shape == (4, 64)

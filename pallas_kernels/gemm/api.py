@@ -4,6 +4,7 @@ accumulation, the scales applied to the accumulator in the epilogue. bf16 x bf16
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -16,24 +17,29 @@ from pallas_kernels.gemm import reference, sm90, sm100
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
 _SUPPORTED = ((BF16, BF16), (FP8, FP8))
-TILE_K_BYTES = 128  # one 128-byte swizzle row per K step
+# A K step is one swizzle row of 128 bytes, or 64/32 for narrow K (32 bytes = one wgmma K step).
+TILE_K_BYTES = (128, 64, 32)
 _KERNELS = {"sm90": sm90.gemm, "sm100": sm100.gemm}
 
 
-def _validate(x, w, x_scale, w_scale, out_dtype):
+def _validate(x, w, x_scale, w_scale, out_dtype, w_layout):
+  check(w_layout in ("nk", "kn"), f"gemm: w_layout={w_layout!r}; use 'nk' (K-major) or 'kn'")
   check(x.ndim >= 1 and w.ndim == 2,
-        f"gemm takes x [..., K] and w [N, K]; got x {x.shape}, w {w.shape}")
-  check(x.shape[-1] == w.shape[1],
-        f"gemm: x {x.shape} and w {w.shape} disagree on K (x's last axis, w's axis 1); weights "
-        f"are stored (N, K) (K-major): transpose a (K, N) weight once when loading it")
+        f"gemm takes x [..., K] and w [N, K] (w_layout='nk') or [K, N] ('kn'); got x {x.shape}, "
+        f"w {w.shape}")
+  k_axis = 1 if w_layout == "nk" else 0
+  check(x.shape[-1] == w.shape[k_axis],
+        f"gemm: x {x.shape} and w {w.shape} disagree on K (x's last axis, w's axis {k_axis} for "
+        f"w_layout={w_layout!r})")
   if x_scale is not None:
     check(x_scale.shape == x.shape[:-1],
           f"gemm: x_scale has shape {x_scale.shape}; it must be one scale per row of x, shape "
           f"{x.shape[:-1]}")
   if w_scale is not None:
-    check(w_scale.shape == (w.shape[0],),
+    n = w.shape[0] if w_layout == "nk" else w.shape[1]
+    check(w_scale.shape == (n,),
           f"gemm: w_scale has shape {w_scale.shape}; it must be one scale per output channel, "
-          f"shape ({w.shape[0]},)")
+          f"shape ({n},)")
   check(jnp.dtype(out_dtype) in (BF16, jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)),
         f"gemm: out_dtype={jnp.dtype(out_dtype)}; use bfloat16, float16 or float32")
   for name, a in (("x", x), ("w", w)):
@@ -41,50 +47,61 @@ def _validate(x, w, x_scale, w_scale, out_dtype):
           f"gemm: {name} has dtype {a.dtype}; it must be a float (bf16 or float8_e4m3fn)")
 
 
-def pallas_support(x_dtype, w_dtype, n: int, k: int) -> tuple[bool, str]:
+def tile_k_for(k: int, dtype) -> int | None:
+  item = jnp.dtype(dtype).itemsize
+  return next((b // item for b in TILE_K_BYTES if k % (b // item) == 0), None)
+
+
+def pallas_support(x_dtype, w_dtype, n: int, k: int, w_layout: str = "nk") -> tuple[bool, str]:
   """(supported, why not) for the Pallas kernel."""
   pair = (jnp.dtype(x_dtype), jnp.dtype(w_dtype))
   if pair not in _SUPPORTED:
     return False, (f"dtypes x {pair[0]}, w {pair[1]}: the kernel takes bf16 x bf16 or e4m3 x e4m3 "
                    f"(quantize x per token for FP8 weights)")
-  tile_k = TILE_K_BYTES // pair[0].itemsize
-  if k % tile_k:
-    return False, f"K={k} must be a multiple of {tile_k} ({TILE_K_BYTES} bytes of {pair[0]})"
-  if n % 32:
-    return False, f"N={n} must be a multiple of 32"
+  if w_layout == "kn" and pair[1].itemsize == 1:
+    return False, ("FP8 tensor cores take only K-major weights: store the FP8 weight as (N, K) "
+                   "and pass w_layout='nk'")
+  if tile_k_for(k, pair[0]) is None:
+    min_k = TILE_K_BYTES[-1] // pair[0].itemsize
+    return False, f"K={k} must be a multiple of {min_k} (32 bytes of {pair[0]})"
+  if n % 16:
+    return False, f"N={n} must be a multiple of 16"
   return True, ""
 
 
-def default_config(m: int, n: int, k: int, dtype) -> sm90.Config:
+def default_config(m: int, n: int, k: int, dtype, w_layout: str = "nk") -> sm90.Config:
   """Decode (M <= 64): one 64-row tile, the compute WGs split N, split-K until every SM has work
   (the weight stream is the whole cost). Prefill: 256 x 128 CTA tiles, WGs split M."""
-  tile_k = TILE_K_BYTES // jnp.dtype(dtype).itemsize
+  tile_k = tile_k_for(k, dtype)
   k_steps = k // tile_k
-  if m <= 64:
+  kn = w_layout == "kn"
+  if m <= 64 and n % 32 == 0:
     tile_n = next(t for t in (64, 32, 16) if n % (2 * t) == 0)
-    cfg = sm90.Config(64, tile_n, tile_k, stages=4, wg_split="n")
+    cfg = sm90.Config(64, tile_n, tile_k, stages=4, wg_split="n", w_kn=kn)
   else:
     tile_m = 64 if m <= 128 else 128
-    tile_n = next(t for t in (128, 64, 32) if n % t == 0)
-    cfg = sm90.Config(tile_m, tile_n, tile_k, stages=3, wg_split="m")
+    tile_n = next(t for t in (128, 64, 32, 16) if n % t == 0)
+    cfg = sm90.Config(tile_m, tile_n, tile_k, stages=3, wg_split="m", w_kn=kn)
   tiles = math.ceil(m / cfg.cta_m) * (n // cfg.cta_n)
   splits = 1
   while (tiles * splits < common.num_sms() and k_steps % (2 * splits) == 0
          and k_steps // (2 * splits) >= cfg.stages):
     splits *= 2
-  return sm90.Config(cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages, cfg.wg_split, splits)
+  return dataclasses.replace(cfg, k_splits=splits)
 
 
 def gemm(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
          w_scale: jax.Array | None = None, *, out_dtype=jnp.bfloat16,
-         implementation: str | None = None, config: sm90.Config | None = None) -> jax.Array:
+         w_layout: str = "nk", implementation: str | None = None,
+         config: sm90.Config | None = None) -> jax.Array:
   """(x @ w.T) * x_scale[..., None] * w_scale -> [..., N] out_dtype, accumulated in f32.
 
   x [..., K] (bf16, or e4m3 quantized per row with f32 `x_scale` [...]); w [N, K] (bf16, or e4m3
-  with f32 `w_scale` [N]). A missing scale is 1. Any number of rows (padded to the tile inside)."""
-  _validate(x, w, x_scale, w_scale, out_dtype)
-  n, k = w.shape
-  ok, why = pallas_support(x.dtype, w.dtype, n, k)
+  with f32 `w_scale` [N]); bf16 weights may also be stored [K, N] (`w_layout="kn"`, computing
+  x @ w). A missing scale is 1. Any number of rows (padded to the tile inside)."""
+  _validate(x, w, x_scale, w_scale, out_dtype, w_layout)
+  n, k = w.shape if w_layout == "nk" else w.shape[::-1]
+  ok, why = pallas_support(x.dtype, w.dtype, n, k, w_layout)
   arch = common.runnable_arch()
   if ok and arch is not None and arch not in _KERNELS:
     ok, why = False, f"no {arch} kernel yet"
@@ -94,11 +111,13 @@ def gemm(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
   xs = None if x_scale is None else x_scale.reshape(-1).astype(jnp.float32)
   ws = None if w_scale is None else w_scale.astype(jnp.float32)
   if impl == "xla":
-    return reference.gemm(x2, w, xs, ws, out_dtype=out_dtype).reshape(*lead, n)
+    w_nk = w if w_layout == "nk" else w.T
+    return reference.gemm(x2, w_nk, xs, ws, out_dtype=out_dtype).reshape(*lead, n)
   m = x2.shape[0]
   if m == 0:
     return jnp.zeros((*lead, n), out_dtype)
-  cfg = config or default_config(m, n, k, x.dtype)
+  cfg = config or default_config(m, n, k, x.dtype, w_layout)
+  check(cfg.w_kn == (w_layout == "kn"), f"gemm: config.w_kn={cfg.w_kn} but w_layout={w_layout!r}")
   if arch == "sm100":
     cfg = sm100.config_for(cfg)
   m_pad = -(-m // cfg.cta_m) * cfg.cta_m

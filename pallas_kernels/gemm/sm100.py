@@ -30,14 +30,14 @@ MMA_WG, EPILOGUE_WG = 0, 1
 def config_for(cfg: Config) -> Config:
   """sm100 tiles from the shared Config: 128-row tiles, no warpgroup split of the tile."""
   tile_n = cfg.cta_n if cfg.cta_n <= 256 else 128
-  return Config(TILE_M, tile_n, cfg.tile_k, cfg.stages, "n", cfg.k_splits)
+  return Config(TILE_M, tile_n, cfg.tile_k, cfg.stages, "n", cfg.k_splits, cfg.w_kn)
 
 
 def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, x_smem, w_smem, acc_tmem, out_smem,
           row_scale_smem, col_scale_smem, loaded, consumed, mma_done, store_done, scales_loaded,
           *, cfg: Config, out_dtype, epi_n: int):
   m_pad, k = x_gmem.shape
-  n = w_gmem.shape[0]
+  n = w_gmem.shape[1] if cfg.w_kn else w_gmem.shape[0]
   tm, tn, tk = TILE_M, cfg.tile_n, cfg.tile_k
   m_tiles, n_tiles = m_pad // tm, n // tn
   k_steps = k // tk // cfg.k_splits
@@ -68,7 +68,8 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, x_smem, w_smem, acc_tmem, 
               plgpu.barrier_wait(consumed.at[slot])
             kk = pl.ds((split * k_steps + ki) * tk, tk)
             plgpu.copy_gmem_to_smem(x_gmem.at[rows, kk], x_smem.at[slot], loaded.at[slot])
-            plgpu.copy_gmem_to_smem(w_gmem.at[cols, kk], w_smem.at[slot], loaded.at[slot])
+            w_tile = w_gmem.at[kk, cols] if cfg.w_kn else w_gmem.at[cols, kk]
+            plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], loaded.at[slot])
           lax.fori_loop(0, k_steps, step, None)
 
         @pl.when((warp == MMA_WARP) & (local > 1))  # the epilogue still reads this buffer
@@ -80,8 +81,8 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, x_smem, w_smem, acc_tmem, 
           def step(ki, _):
             slot = lax.rem(ki, cfg.stages)
             plgpu.barrier_wait(loaded.at[slot])
-            plgpu.tcgen05_mma(acc, x_smem.at[slot], w_smem.at[slot].T, consumed.at[slot],
-                              accumulate=ki > 0)
+            w_tile = w_smem.at[slot] if cfg.w_kn else w_smem.at[slot].T
+            plgpu.tcgen05_mma(acc, x_smem.at[slot], w_tile, consumed.at[slot], accumulate=ki > 0)
 
             @pl.when(ki == k_steps - 1)
             def _():
@@ -119,7 +120,7 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, x_smem, w_smem, acc_tmem, 
 def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
   """Same contract as sm90.gemm (`cfg` from `config_for`: 128-row tiles)."""
   m_pad, _ = x.shape
-  n = w.shape[0]
+  n = w.shape[1] if cfg.w_kn else w.shape[0]
   if cfg.k_splits > 1:
     out_shape, out_dtype, x_scale, w_scale = (cfg.k_splits, m_pad, n), jnp.float32, None, None
   else:
@@ -129,7 +130,8 @@ def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
   in_tf = _transforms(tk, x.dtype)
   scratch = dict(
       x_smem=plgpu.SMEM((cfg.stages, TILE_M, tk), x.dtype, transforms=in_tf),
-      w_smem=plgpu.SMEM((cfg.stages, tn, tk), w.dtype, transforms=in_tf),
+      w_smem=plgpu.SMEM((cfg.stages, tk, tn) if cfg.w_kn else (cfg.stages, tn, tk), w.dtype,
+                        transforms=_transforms(tn, w.dtype) if cfg.w_kn else in_tf),
       acc_tmem=plgpu.TMEM((TILE_M, 2 * tn), jnp.float32),
       out_smem=plgpu.SMEM((2, TILE_M, epi_n), out_dtype, transforms=_transforms(epi_n, out_dtype)),
       row_scale_smem=plgpu.SMEM((TILE_M,), jnp.float32),

@@ -38,6 +38,7 @@ class Config:
   stages: int  # K steps in flight
   wg_split: str  # "n": the 2 compute WGs split the CTA tile along N; "m": along M
   k_splits: int = 1
+  w_kn: bool = False  # w stored (K, N) (16-bit only: wgmma transposes 16-bit B tiles, not FP8)
 
   @property
   def cta_m(self) -> int:
@@ -56,11 +57,12 @@ def _transforms(tile_minor: int, dtype) -> tuple:
 
 def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: Config, out_dtype):
   m_pad, k = x_gmem.shape
-  n = w_gmem.shape[0]
+  n = w_gmem.shape[1] if cfg.w_kn else w_gmem.shape[0]
   m_tiles, n_tiles = m_pad // cfg.cta_m, n // cfg.cta_n
   k_steps = k // cfg.tile_k // cfg.k_splits
   in_tf = _transforms(cfg.tile_k, x_gmem.dtype)
   out_tf = _transforms(cfg.tile_n, out_dtype)
+  w_tf = _transforms(cfg.tile_n, w_gmem.dtype) if cfg.w_kn else in_tf
   split_m = cfg.wg_split == "m"
 
   def pipeline(step_fn, context):
@@ -70,6 +72,8 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: Config, out_dtype)
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((cfg.cta_m, cfg.tile_k), lambda kk: (0, kk), transforms=in_tf),
+            plgpu.BlockSpec((cfg.tile_k, cfg.cta_n), lambda kk: (kk, 0), transforms=w_tf)
+            if cfg.w_kn else
             plgpu.BlockSpec((cfg.cta_n, cfg.tile_k), lambda kk: (0, kk), transforms=in_tf),
         ],
         wg_axis="wg",
@@ -104,7 +108,8 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: Config, out_dtype)
       rows, cols = pl.ds(row0, cfg.tile_m), pl.ds(col0, cfg.tile_n)
 
       def mma_step(_, x_smem, w_smem, acc_ref):
-        plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[wg_cols].T)
+        w_tile = w_smem.at[:, wg_cols] if cfg.w_kn else w_smem.at[wg_cols].T
+        plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_tile)
         plgpu.wgmma_wait(0)
         return acc_ref
 
@@ -135,17 +140,18 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: Config, out_dtype)
       k_range = pl.ds(split * k_steps * cfg.tile_k, k_steps * cfg.tile_k)
       pipeline(mma_step, context)(
           x_gmem.at[pl.ds(m_idx * cfg.cta_m, cfg.cta_m), k_range],
-          w_gmem.at[pl.ds(n_idx * cfg.cta_n, cfg.cta_n), k_range],
+          (w_gmem.at[k_range, pl.ds(n_idx * cfg.cta_n, cfg.cta_n)] if cfg.w_kn
+           else w_gmem.at[pl.ds(n_idx * cfg.cta_n, cfg.cta_n), k_range]),
           allocations=pipeline_allocs)
 
   plgpu.wait_smem_to_gmem(0)
 
 
 def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
-  """x [M_pad, K] (M_pad a multiple of cfg.cta_m), w [N, K]; scales f32 [M_pad], [N] or both None.
+  """x [M_pad, K] (M_pad a multiple of cfg.cta_m), w [N, K] (or [K, N] with cfg.w_kn); scales f32 [M_pad], [N] or both None.
   Returns [M_pad, N] out_dtype, or f32 partials [k_splits, M_pad, N] (unscaled) when k_splits > 1."""
   m_pad, _ = x.shape
-  n = w.shape[0]
+  n = w.shape[1] if cfg.w_kn else w.shape[0]
   if cfg.k_splits > 1:
     out_shape, out_dtype, x_scale, w_scale = (cfg.k_splits, m_pad, n), jnp.float32, None, None
   else:
