@@ -198,9 +198,9 @@ def chunked_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int)
 
 
 def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array,
-           scales=(None, None, None), quant=None) -> jax.Array:
+           scales=(None, None, None), quant=None, kernels: str | None = "xla") -> jax.Array:
   """scales: per-output-channel scales of FP8 gate/up/down (None for an unquantized weight)."""
-  mm = quant_lib.einsum
+  mm = functools.partial(quant_lib.einsum, kernels=kernels)
   g = mm("...d,df->...f", x, gate_df, scales[0], quant)
   u = mm("...d,df->...f", x, up_df, scales[1], quant)
   return mm("...f,fd->...d", jax.nn.silu(g) * u, down_fd, scales[2], quant)
@@ -242,6 +242,7 @@ class Attention(nnx.Module):
     self.eps = cfg.rms_norm_eps
     self.floor_scale, self.attn_scale = cfg.floor_scale, cfg.attn_scale
     self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg))  # static: a constant in HLO
+    self.kernels = None  # see maverick.kernels
 
   def __call__(self, x_btd, positions_bt, layer_cache=None, cache_lengths=None, *,
                attend_to_cache: bool = True, positions_from_zero: bool = False,
@@ -283,7 +284,8 @@ class Attention(nnx.Module):
 
   def project(self, x_btd, positions_bt):
     """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""
-    mm = functools.partial(quant_lib.einsum, "btd,dhk->bthk", x_btd, quant=self.quant)
+    mm = functools.partial(quant_lib.einsum, "btd,dhk->bthk", x_btd, quant=self.quant,
+                           kernels=self.kernels)
     q = mm(self.q[...], _value(self.q_scale))
     k = mm(self.k[...], _value(self.k_scale))
     v = mm(self.v[...], _value(self.v_scale))
@@ -301,7 +303,7 @@ class Attention(nnx.Module):
 
   def output(self, out_bthk):
     return quant_lib.einsum("bthk,hkd->btd", out_bthk, self.o[...], _value(self.o_scale),
-                            self.quant)
+                            self.quant, kernels=self.kernels)
 
 
 class MLP(nnx.Module):
@@ -315,10 +317,12 @@ class MLP(nnx.Module):
     self.up, self.up_scale = lw((dim, width), ("embed", axis), name=name + "up")
     self.down, self.down_scale = lw((width, dim), (axis, "embed"), name=name + "down")
     self.quant = quant
+    self.kernels = None  # see maverick.kernels
 
   def __call__(self, x):
     scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
-    return swiglu(x, self.gate[...], self.up[...], self.down[...], scales, self.quant)
+    return swiglu(x, self.gate[...], self.up[...], self.down[...], scales, self.quant,
+                  self.kernels)
 
 
 class MoE(nnx.Module):
@@ -341,6 +345,7 @@ class MoE(nnx.Module):
       raise ValueError(f"unknown moe_impl {impl!r}; choose one of {moe.MOE_IMPLS}")
     self.impl = impl
     self.record_balance_loss = False  # training: model.set_attributes(record_balance_loss=True)
+    self.kernels = None  # see maverick.kernels
 
   def __call__(self, x_btd):
     B, T, D = x_btd.shape
@@ -433,6 +438,7 @@ class Llama4(nnx.Module):
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs, moe_impl)
                             for i in range(cfg.num_hidden_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs)
+    self.kernels = None  # see maverick.kernels
     if not cfg.tie_word_embeddings:
       self.lm_head, self.lm_head_scale = linear_weight(
           rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt, name="lm_head",
@@ -449,8 +455,10 @@ class Llama4(nnx.Module):
     x = self.final_norm(x_btd)
     q = self.config.quant
     if self.config.tie_word_embeddings:
-      return quant_lib.einsum("...d,vd->...v", x, self.embed[...], _value(self.embed_scale), q)
-    return quant_lib.einsum("...d,dv->...v", x, self.lm_head[...], _value(self.lm_head_scale), q)
+      return quant_lib.einsum("...d,vd->...v", x, self.embed[...], _value(self.embed_scale), q,
+                              kernels=self.kernels)
+    return quant_lib.einsum("...d,dv->...v", x, self.lm_head[...], _value(self.lm_head_scale), q,
+                            kernels=self.kernels)
 
   def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,

@@ -211,6 +211,9 @@ def attach_plan(model, plan: Plan | None):
   for _, m in nnx.iter_graph(model):
     if isinstance(m, MoE):
       setattr(m, PLAN_ATTR, plan)
+    if plan is not None and hasattr(m, "kernels"):
+      # XLA cannot partition a Pallas custom call: sharded models use XLA (maverick.kernels).
+      m.kernels = "xla"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -113,14 +113,21 @@ def _align(a: jax.Array, subs: str, out: str) -> jax.Array:
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None,
-           quant: QuantConfig | None = None, out_dtype=None) -> jax.Array:
+           quant: QuantConfig | None = None, out_dtype=None, kernels: str | None = "xla"
+           ) -> jax.Array:
   """`jnp.einsum(spec, x, w)`, with `w` in FP8 when `scale` is given.
 
   Without a scale this IS jnp.einsum (the unquantized model is bit-identical). With one, `scale` has
   w's non-contracted axes (per output channel); per `quant.activations`, x is quantized per token
   over its contracted axes (FP8 x FP8) or kept (weight-only, w upcast to x's dtype). The product
   accumulates in f32; scales are applied to the accumulator; the result has x's dtype.
+  `kernels` (see maverick.kernels): None/"pallas" run the Pallas GEMM where it takes the call.
   """
+  if kernels != "xla":
+    from maverick import kernels as kernels_lib  # local: it imports this module
+    y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype)
+    if y is not None:
+      return y
   if scale is None:
     return jnp.einsum(spec, x, w)
   out_dtype = out_dtype or x.dtype

@@ -47,9 +47,24 @@ def _validate(x, w, x_scale, w_scale, out_dtype, w_layout):
           f"gemm: {name} has dtype {a.dtype}; it must be a float (bf16 or float8_e4m3fn)")
 
 
-def tile_k_for(k: int, dtype) -> int | None:
+def _tiles(m: int, n: int, k: int, dtype, kn: bool):
+  """(tile_m, tile_n, tile_k, wg_split) for the problem, or None when no tiling fits. Decode
+  (M <= 64) prefers the WGs splitting N; otherwise they split M. A (K, N) weight tile is swizzled
+  along N and the x tile along K: wgmma needs both swizzles equal, which ties tile_k to tile_n."""
   item = jnp.dtype(dtype).itemsize
-  return next((b // item for b in TILE_K_BYTES if k % (b // item) == 0), None)
+  decode = m <= 64
+  for split in (("n", "m") if decode else ("m",)):
+    for tile_n in ((64, 32, 16) if split == "n" else (128, 64, 32, 16)):
+      if n % (tile_n * (2 if split == "n" else 1)):
+        continue
+      if kn:
+        tile_ks = [min(128, tile_n * item) // item]
+      else:
+        tile_ks = [b // item for b in TILE_K_BYTES]
+      for tile_k in tile_ks:
+        if k % tile_k == 0 and tile_k * item >= 32:
+          return (64 if m <= 128 else 128), tile_n, tile_k, split
+  return None
 
 
 def pallas_support(x_dtype, w_dtype, n: int, k: int, w_layout: str = "nk") -> tuple[bool, str]:
@@ -61,27 +76,24 @@ def pallas_support(x_dtype, w_dtype, n: int, k: int, w_layout: str = "nk") -> tu
   if w_layout == "kn" and pair[1].itemsize == 1:
     return False, ("FP8 tensor cores take only K-major weights: store the FP8 weight as (N, K) "
                    "and pass w_layout='nk'")
-  if tile_k_for(k, pair[0]) is None:
-    min_k = TILE_K_BYTES[-1] // pair[0].itemsize
+  min_k = TILE_K_BYTES[-1] // pair[0].itemsize
+  if k % min_k:
     return False, f"K={k} must be a multiple of {min_k} (32 bytes of {pair[0]})"
   if n % 16:
     return False, f"N={n} must be a multiple of 16"
+  if _tiles(128, n, k, pair[0], w_layout == "kn") is None:
+    return False, (f"N={n}, K={k} with w stored (K, N): K must be a multiple of the N tile "
+                   f"(16..64 elements) that divides N")
   return True, ""
 
 
 def default_config(m: int, n: int, k: int, dtype, w_layout: str = "nk") -> sm90.Config:
-  """Decode (M <= 64): one 64-row tile, the compute WGs split N, split-K until every SM has work
-  (the weight stream is the whole cost). Prefill: 256 x 128 CTA tiles, WGs split M."""
-  tile_k = tile_k_for(k, dtype)
+  """Tiles from `_tiles`; 4 pipeline stages for 64-row tiles, 3 for 128 (SMEM); split-K until
+  every SM has work (decode: the weight stream is the whole cost)."""
+  tile_m, tile_n, tile_k, split = _tiles(m, n, k, dtype, w_layout == "kn")
+  cfg = sm90.Config(tile_m, tile_n, tile_k, stages=4 if tile_m == 64 else 3, wg_split=split,
+                    w_kn=w_layout == "kn")
   k_steps = k // tile_k
-  kn = w_layout == "kn"
-  if m <= 64 and n % 32 == 0:
-    tile_n = next(t for t in (64, 32, 16) if n % (2 * t) == 0)
-    cfg = sm90.Config(64, tile_n, tile_k, stages=4, wg_split="n", w_kn=kn)
-  else:
-    tile_m = 64 if m <= 128 else 128
-    tile_n = next(t for t in (128, 64, 32, 16) if n % t == 0)
-    cfg = sm90.Config(tile_m, tile_n, tile_k, stages=3, wg_split="m", w_kn=kn)
   tiles = math.ceil(m / cfg.cta_m) * (n // cfg.cta_n)
   splits = 1
   while (tiles * splits < common.num_sms() and k_steps % (2 * splits) == 0

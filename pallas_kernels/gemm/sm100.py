@@ -29,7 +29,8 @@ MMA_WG, EPILOGUE_WG = 0, 1
 
 def config_for(cfg: Config) -> Config:
   """sm100 tiles from the shared Config: 128-row tiles, no warpgroup split of the tile."""
-  tile_n = cfg.cta_n if cfg.cta_n <= 256 else 128
+  # A (K, N) weight tile's swizzle (along N) must match the x tile's (along K): keep sm90's pair.
+  tile_n = cfg.tile_n if cfg.w_kn else min(cfg.cta_n, 256)
   return Config(TILE_M, tile_n, cfg.tile_k, cfg.stages, "n", cfg.k_splits, cfg.w_kn)
 
 

@@ -1,0 +1,91 @@
+"""Where the model meets `pallas_kernels`: one switch per model, `kernels`.
+
+  None      auto (the default): a Pallas kernel wherever one can run (a Hopper/Blackwell GPU, or
+            inside `pallas_kernels.interpret()`) and takes the call's shapes/dtypes; XLA elsewhere;
+  "pallas"  the same, but it is an error when there is nothing to run kernels on;
+  "xla"     the plain-jnp reference everywhere.
+
+Set it with `set_kernels(model, ...)` (or `maverick.load(..., kernels=...)`, `--kernels`). Calls a
+kernel does not take (an FP8 weight stored K-by-N, a head_dim other than 64/128, ...) always fall
+back to XLA, so one model mixes both. Each helper returns None when the caller should run its XLA
+path; the callers keep their XLA code as the reference.
+
+Sharded models: a Mosaic GPU custom call cannot be partitioned by XLA, so kernels would need
+shard_map wrappers per layout; `sharding.shard_model` therefore pins sharded models to "xla".
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels import gemm as gemm_lib
+
+KERNELS = (None, "xla", "pallas")
+
+
+def set_kernels(model, kernels: str | None) -> None:
+  """Selects the implementation for every layer of `model` (target or draft)."""
+  if kernels not in KERNELS:
+    raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS} (None = auto)")
+  if kernels == "pallas":
+    common.target_arch()  # raises, naming the fix, when there is no GPU and no interpret mode
+    from maverick import sharding  # local: sharding imports the model
+    if sharding.plan_of(model) is not None:
+      raise common.KernelInputError(
+          "kernels='pallas' on a sharded model: the kernels are not wired through shard_map yet; "
+          "use kernels=None or 'xla' for sharded models")
+  model.set_attributes(kernels=kernels, raise_if_not_found=False)
+
+
+def use_pallas(kernels: str | None, supported: bool) -> bool:
+  if kernels == "xla":
+    return False
+  if kernels == "pallas":
+    common.target_arch()
+    return supported
+  if kernels is None:
+    return supported and common.runnable_arch() is not None
+  raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS} (None = auto)")
+
+
+def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | None,
+           out_dtype=None):
+  """`maverick.quant.einsum` through the Pallas GEMM when the spec is x[batch..., C...] .
+  w[C..., O...] (stored K-by-N) or w[O..., C...] (K-major) -> [batch..., O...], which covers every
+  projection in the model: the operands then reshape for free into x [M, K] and w [K, N] / [N, K].
+  FP8 weights (with `scale`) need the K-major layout; activations are quantized per token first
+  when `quant` says so, exactly as the XLA path does."""
+  if kernels == "xla":
+    return None
+  from maverick.quant import ops as quant_ops  # local: quant.ops calls into this module
+  xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
+  contracted = "".join(c for c in xs if c in ws and c not in out)
+  n_c = len(contracted)
+  if not contracted or xs[-n_c:] != contracted:
+    return None
+  if ws[:n_c] == contracted and out == xs[:-n_c] + ws[n_c:]:
+    layout, w_out = "kn", w.shape[n_c:]
+  elif ws[-n_c:] == contracted and out == xs[:-n_c] + ws[:-n_c]:
+    layout, w_out = "nk", w.shape[:-n_c]
+  else:
+    return None
+  k, n = math.prod(x.shape[-n_c:]), math.prod(w_out)
+  quantize_x = scale is not None and quant is not None and quant.quantize_activations
+  x_dtype = quant_ops.FP8 if quantize_x else x.dtype
+  ok, _ = gemm_lib.pallas_support(x_dtype, w.dtype, n, k, layout)
+  if not use_pallas(kernels, ok):
+    return None
+  batch = x.shape[:-n_c]
+  x2 = x.reshape(-1, k)
+  x_scale = None
+  if quantize_x:
+    x2, x_scale = quant_ops.quantize_rows(x2, (-1,), quant.activation_scale_ub)
+  w2 = w.reshape((k, n) if layout == "kn" else (n, k))
+  w_scale = None if scale is None else scale.reshape(n)
+  y = gemm_lib.gemm(x2, w2, x_scale, w_scale, w_layout=layout, out_dtype=out_dtype or x.dtype,
+                    implementation="pallas")
+  return y.reshape(*batch, *w_out)
