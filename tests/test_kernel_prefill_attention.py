@@ -59,24 +59,27 @@ def assert_matches(out, q, k, v, lengths, chunk_size):
     assert not np.any(got[b, int(n):])
 
 
-# (B, T, H, K, Dh, chunk_size, lengths, block_kv): odd T, GQA ratios 1/4/5, chunk boundaries inside
-# a KV block (48 with block 64) and on one (64), lengths 0 and 1, several pipeline steps per tile.
+# (B, T, H, K, Dh, chunk_size, lengths, config): odd T, GQA ratios 1/4/5, chunk boundaries inside a
+# KV block (48 with block 64) and on one (64), lengths 0 and 1, several pipeline steps per CTA, one
+# and two compute warpgroups, 1 to 3 pipeline stages.
+C = sm90.Config
 KERNEL_CASES = [
-    pytest.param(1, 80, 2, 2, 64, None, [80], 64, id="global-G1-T80"),
-    pytest.param(2, 80, 8, 2, 64, 48, [80, 37], 64, id="chunk48-G4-T80-len37"),
-    pytest.param(2, 100, 5, 1, 64, 64, [0, 1], 64, id="chunk64-G5-T100-len0-len1"),
-    pytest.param(1, 160, 5, 1, 64, None, [131], 64, id="global-G5-T160-3blocks"),
-    pytest.param(1, 96, 4, 1, 128, 40, [96], 128, id="dh128-chunk40-G4-T96"),
+    pytest.param(1, 80, 2, 2, 64, None, [80], C(block_kv=64), id="global-G1-T80"),
+    pytest.param(2, 80, 8, 2, 64, 48, [80, 37], C(block_kv=64), id="chunk48-G4-T80-len37"),
+    pytest.param(2, 100, 5, 1, 64, 64, [0, 1], C(block_kv=64), id="chunk64-G5-T100-len0-len1"),
+    pytest.param(1, 160, 5, 1, 64, None, [131], C(block_kv=64, num_stages=3, num_compute_wgs=1),
+                 id="global-G5-T160-1wg-3stages"),
+    pytest.param(1, 96, 4, 1, 128, 40, [96], C(block_kv=128, num_stages=1), id="dh128-chunk40-G4-T96"),
 ]
 
 
-@pytest.mark.parametrize("B,T,H,K,Dh,chunk_size,lengths,block_kv", KERNEL_CASES)
-def test_sm90_kernel_interpret(B, T, H, K, Dh, chunk_size, lengths, block_kv):
+@pytest.mark.parametrize("B,T,H,K,Dh,chunk_size,lengths,config", KERNEL_CASES)
+def test_sm90_kernel_interpret(B, T, H, K, Dh, chunk_size, lengths, config):
   q, k, v = make_inputs(B, T, H, K, Dh)
   lengths = np.asarray(lengths, np.int32)
   with common.interpret():
     out = sm90.prefill_attention(q, k, v, jnp.asarray(lengths), chunk_size=chunk_size,
-                                 sm_scale=Dh ** -0.5, config=sm90.Config(block_kv=block_kv))
+                                 sm_scale=Dh ** -0.5, config=config)
     out = jax.block_until_ready(out)
   assert_matches(out, q, k, v, lengths, chunk_size)
 

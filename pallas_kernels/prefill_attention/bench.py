@@ -47,7 +47,7 @@ def _case(name, B, T, H, K, Dh, chunk_size, toy, seed=0):
 
 def benchmark_cases(toy: bool) -> list[common.BenchCase]:
   if toy:
-    return [_case("toy prefill B=1 T=80 H=4 K=1 Dh=64 chunk=48", 1, 80, 4, 1, 64, 48, toy),
+    return [_case("toy prefill B=1 T=40 H=4 K=1 Dh=64 chunk=24", 1, 40, 4, 1, 64, 24, toy),
             _case("toy prefill B=1 T=64 H=2 K=2 Dh=128 global", 1, 64, 2, 2, 128, None, toy)]
   cases = []
   for T in (2048, 8192):

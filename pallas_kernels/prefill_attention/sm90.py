@@ -1,10 +1,15 @@
 """Hopper (sm_90) prefill flash attention: causal (+ Llama 4 chunked) GQA with per-row lengths.
 
-Layout: the G = H // K query heads that share a kv head are packed into the rows of one Q tile:
+Layout: the G = H // K query heads that share a kv head are packed into the rows of the Q tiles:
 q [B,T,H,Dh] -> [B,K,T*G,Dh] (row r = token r // G, head r % G), so each K/V tile that TMA brings
-into SMEM feeds all G heads with one wgmma. A CTA owns `block_q` packed rows of one (batch, kv head)
-and walks only the KV blocks its rows can see (dynamic loop bounds from causality, the chunk start
-and lengths[b]), with K/V streamed through a multi-stage TMA pipeline in swizzled SMEM.
+into SMEM feeds all G heads through one wgmma.
+
+A CTA owns `num_compute_wgs * block_q` packed rows of one (batch, kv head). Warp specialization: a
+producer warpgroup streams the K/V tiles by TMA into a `num_stages`-deep ring of swizzled SMEM
+buffers; each compute warpgroup holds `block_q` rows (Q in SMEM, the running output, max and sum in
+registers) and per KV tile does S = Q K^T (wgmma, f32), the online softmax in f32 (exp2 with the
+scale folded in), P -> SMEM as bf16, O += P V (wgmma). The CTA walks only the KV blocks its rows can
+see: dynamic loop bounds from causality, the chunk start of its first token and lengths[b].
 """
 
 from __future__ import annotations
@@ -19,20 +24,27 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 _LOG2E = math.log2(math.e)
-# Running max starts finite so fully masked rows give exp2(-inf - m) = 0 and alpha = 1, never NaN.
+# The running max starts finite, so a row that has seen only masked keys gets exp2(-inf - m) = 0
+# and alpha = exp2(m - m) = 1, never NaN; its sum stays 0 and its output is 0.
 _M_INIT = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  block_q: int = 64  # packed (token, head) rows per compute warpgroup
+  block_q: int = 64  # packed (token, head) rows per compute warpgroup (one wgmma M tile)
   block_kv: int = 128  # keys per pipeline step
   num_stages: int = 2  # K/V tiles in flight
+  num_compute_wgs: int = 2  # compute warpgroups per CTA, sharing every K/V tile
+
+  def __post_init__(self):
+    if self.block_q != 64 or self.block_kv % 64 or self.num_stages < 1 or self.num_compute_wgs < 1:
+      raise ValueError(f"unsupported {self}")
 
 
 def default_config(head_dim: int, T: int) -> Config:
-  # Small T: a 64-key block wastes less on the causal diagonal and padding.
-  return Config(block_kv=64 if T <= 64 else 128)
+  del head_dim
+  # Short prompts: 64-key blocks waste less on the diagonal and on padding.
+  return Config(block_kv=64 if T <= 256 else 128)
 
 
 def _transforms(cols: int, itemsize: int):
@@ -47,102 +59,108 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
   K = k.shape[2]
   G = H // K
   cfg = config or default_config(Dh, T)
-  bq, bkv = cfg.block_q, cfg.block_kv
+  bq, bkv, wgs = cfg.block_q, cfg.block_kv, cfg.num_compute_wgs
+  cta_rows = wgs * bq
   dtype = q.dtype
 
-  # Pad time to whole KV blocks (and so whole packed Q tiles: T_pad * G rows, bq | bkv). Padded keys
+  # Pad time so keys fill whole KV blocks and packed rows (T_pad * G) fill whole CTAs. Padded keys
   # sit at s >= T >= lengths[b], so the mask hides them; padded query rows are sliced off.
-  T_pad = pl.cdiv(T, bkv) * bkv
-  pad = ((0, 0), (0, T_pad - T), (0, 0), (0, 0))
+  align = math.lcm(bkv, cta_rows // math.gcd(cta_rows, G))
+  T_pad = pl.cdiv(T, align) * align
   if T_pad != T:
+    pad = ((0, 0), (0, T_pad - T), (0, 0), (0, 0))
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
   rows = T_pad * G
   q_rows = q.reshape(B, T_pad, K, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, Dh)
   lengths = jnp.minimum(lengths.astype(jnp.int32), T)
-  num_q_tiles = rows // bq
+  num_ctas_q = rows // cta_rows
   scale_log2 = sm_scale * _LOG2E
   qkv_transforms = _transforms(Dh, jnp.dtype(dtype).itemsize)
   p_transforms = _transforms(bkv, jnp.dtype(dtype).itemsize)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-  def kernel(lengths_gmem, q_gmem, k_gmem, v_gmem, o_gmem):
-    qi, kvh, b = lax.axis_index("q"), lax.axis_index("kv_head"), lax.axis_index("batch")
+  def kernel(lengths_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, p_smem, q_barriers):
+    # Causal tiles near the end of the prompt have the most work: launch them first.
+    cta = num_ctas_q - 1 - lax.axis_index("q")
+    kvh, b = lax.axis_index("kv_head"), lax.axis_index("batch")
     length = lengths_gmem[b]
-    row0 = qi * bq
-    first_tok = row0 // G
-    last_tok = jnp.minimum((row0 + bq - 1) // G, length - 1)
-    # Visible keys of this tile: [kv_lo, kv_hi). Causal: nothing past the last token; chunked: nothing
-    # before the first token's chunk start; nothing at or past lengths[b].
+    cta_row0 = cta * cta_rows
+    first_tok = cta_row0 // G
+    last_tok = jnp.minimum((cta_row0 + cta_rows - 1) // G, length - 1)
+    # Keys any row of this CTA can see: [kv_lo, last_tok]. Causal: nothing past the last token;
+    # chunked: nothing before the first token's chunk start; nothing at or past lengths[b].
     kv_lo = (first_tok // chunk_size) * chunk_size if chunk_size is not None else 0
-    kv_hi = last_tok + 1
     first_block = kv_lo // bkv
-    num_blocks = jnp.maximum(pl.cdiv(kv_hi, bkv) - first_block, 0)
+    num_blocks = jnp.maximum(pl.cdiv(last_tok + 1, bkv) - first_block, 0)
 
-    def scoped(q_smem, p_smem, bar):
-      plgpu.copy_gmem_to_smem(q_gmem.at[b, kvh, pl.ds(row0, bq)], q_smem, bar)
-      plgpu.barrier_wait(bar)
-      tok = (plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + row0) // G
-      key_offset = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-      if chunk_size is not None:
-        chunk_start = (tok // chunk_size) * chunk_size
-      row_live = tok < length
-
-      def step(idx, k_smem, v_smem, carry):
-        acc, m_prev, l_prev = carry
-        kv0 = (first_block + idx[0]) * bkv
-
-        def qk(s_ref):
-          plgpu.wgmma(s_ref, q_smem, k_smem.T)
-          return s_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-        key = key_offset + kv0
-        visible = (key <= tok) & (key < length) & row_live
-        if chunk_size is not None:
-          visible = visible & (key >= chunk_start)
-        s = jnp.where(visible, s * scale_log2, -jnp.inf)
-        m_new = jnp.maximum(m_prev, s.max(axis=1))
-        alpha = jnp.exp2(m_prev - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l_new = l_prev * alpha + p.sum(axis=1)
-        p_smem[...] = p.astype(dtype)
-        plgpu.commit_smem()
-
-        # P V into a fresh accumulator, added to the rescaled running one: storing into a wgmma
-        # accumulator (or ACC.init under run_state) does not run in GPU interpret mode.
-        def pv(o_ref):
-          plgpu.wgmma(o_ref, p_smem, v_smem)
-          return o_ref[...]
-        acc = acc * lax.broadcast_in_dim(alpha, (bq, Dh), [0])
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, Dh), jnp.float32))
-        return acc, m_new, l_new
-
-      kv_spec = plgpu.BlockSpec((bkv, Dh), lambda j: (first_block + j, 0), transforms=qkv_transforms)
-      acc0 = plgpu.layout_cast(jnp.zeros((bq, Dh), jnp.float32), plgpu.Layout.WGMMA)
-      m0 = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-      l0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-      acc, _, l = plgpu.emit_pipeline(
-          step, grid=(num_blocks,), in_specs=[kv_spec, kv_spec],
-          max_concurrent_steps=cfg.num_stages, init_carry=(acc0, m0, l0),
-      )(k_gmem.at[b, :, kvh], v_gmem.at[b, :, kvh])
-      # Rows with no visible key (padding rows) have l = 0 and acc = 0: output 0, not NaN.
-      inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
+    def compute_wg(run_pipeline):
+      wg = lax.axis_index("wg")
+      row0 = cta_row0 + wg * bq
+      plgpu.copy_gmem_to_smem(q_gmem.at[b, kvh, pl.ds(row0, bq)], q_smem.at[wg], q_barriers.at[wg])
+      # Per row, the visible keys are [lo, hi] (hi = -1: a padding row that sees nothing).
+      tok = (plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_layout) + row0) // G
+      hi = jnp.where(tok < length, tok, -1)
+      lo = (tok // chunk_size) * chunk_size if chunk_size is not None else jnp.zeros_like(tok)
+      acc = plgpu.layout_cast(jnp.zeros((bq, Dh), jnp.float32), plgpu.Layout.WGMMA)
+      m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)
+      l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+      plgpu.barrier_wait(q_barriers.at[wg])
+      acc, m, l, _, _ = run_pipeline((acc, m, l, lo, hi))
+      inv_l = 1.0 / jnp.where(l > 0, l, 1.0)  # l = 0 only where acc = 0: output 0
       out = acc * lax.broadcast_in_dim(inv_l, (bq, Dh), [0])
-      q_smem[...] = out.astype(dtype)  # Q is dead: reuse its SMEM for the output tile
+      q_smem[wg] = out.astype(dtype)  # Q is dead: its SMEM stages the output tile
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, o_gmem.at[b, kvh, pl.ds(row0, bq)])
+      plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[b, kvh, pl.ds(row0, bq)])
       plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(
-        scoped,
-        plgpu.SMEM((bq, Dh), dtype, transforms=qkv_transforms),
-        plgpu.SMEM((bq, bkv), dtype, transforms=p_transforms),
-        plgpu.Barrier(num_arrivals=1),
-    )
+    def kv_step(idx, k_tile, v_tile, carry):
+      acc, m_prev, l_prev, lo, hi = carry
+      wg = lax.axis_index("wg")
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem.at[wg], k_tile.T)
+        return s_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+      key = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+      key = key + (first_block + idx[0]) * bkv
+      visible = ((key >= lax.broadcast_in_dim(lo, (bq, bkv), [0]))
+                 & (key <= lax.broadcast_in_dim(hi, (bq, bkv), [0])))
+      s = jnp.where(visible, s * scale_log2, -jnp.inf)
+      m_new = jnp.maximum(m_prev, s.max(axis=1))
+      alpha = jnp.exp2(m_prev - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, bkv), [0]))
+      l_new = l_prev * alpha + p.sum(axis=1)
+      p_smem[wg] = p.astype(dtype)
+      plgpu.commit_smem()
+
+      # P V into a fresh accumulator added to the rescaled running output: storing into a wgmma
+      # accumulator (or ACC.init under run_state) does not run in GPU interpret mode.
+      def pv(o_ref):
+        plgpu.wgmma(o_ref, p_smem.at[wg], v_tile)
+        return o_ref[...]
+      acc = acc * lax.broadcast_in_dim(alpha, (bq, Dh), [0]) + pl.run_scoped(
+          pv, plgpu.ACC((bq, Dh), jnp.float32))
+      return acc, m_new, l_new, lo, hi
+
+    kv_spec = plgpu.BlockSpec((bkv, Dh), lambda j: (first_block + j, 0), transforms=qkv_transforms)
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        kv_step, grid=(num_blocks,), in_specs=[kv_spec, kv_spec],
+        max_concurrent_steps=cfg.num_stages, num_compute_wgs=wgs, memory_registers=40,
+        wg_axis="wg", compute_context=compute_wg)
+    pipeline(k_gmem.at[b, :, kvh], v_gmem.at[b, :, kvh])
 
   out_rows = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((B, K, rows, Dh), dtype),
-      grid=(num_q_tiles, K, B),
+      grid=(num_ctas_q, K, B),
       grid_names=("q", "kv_head", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      scratch_types=(
+          plgpu.SMEM((wgs, bq, Dh), dtype, transforms=qkv_transforms),
+          plgpu.SMEM((wgs, bq, bkv), dtype, transforms=p_transforms),
+          plgpu.Barrier(num_barriers=wgs),
+      ),
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, q_rows, k, v)
   out = out_rows.reshape(B, K, T_pad, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T_pad, H, Dh)
