@@ -121,11 +121,23 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
         plgpu.wgmma(s_ref, q_smem.at[wg], k_tile.T)
         return s_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-      key = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-      key = key + (first_block + idx[0]) * bkv
-      visible = ((key >= lax.broadcast_in_dim(lo, (bq, bkv), [0]))
-                 & (key <= lax.broadcast_in_dim(hi, (bq, bkv), [0])))
-      s = jnp.where(visible, s * scale_log2, -jnp.inf)
+      kv0 = (first_block + idx[0]) * bkv
+
+      def scale_and_mask(s):
+        key = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + kv0
+        visible = ((key >= lax.broadcast_in_dim(lo, (bq, bkv), [0]))
+                   & (key <= lax.broadcast_in_dim(hi, (bq, bkv), [0])))
+        return jnp.where(visible, s * scale_log2, -jnp.inf)
+
+      # Only blocks on the causal diagonal, the chunk start or the length need the mask; the rest
+      # (most of a long prompt) skip its integer work. Rows are token-major, so the bounds of the
+      # warpgroup's rows are those of its first and last token.
+      row0 = cta_row0 + wg * bq
+      wg_first_tok, wg_last_tok = row0 // G, (row0 + bq - 1) // G
+      lo_max = (wg_last_tok // chunk_size) * chunk_size if chunk_size is not None else 0
+      hi_min = jnp.where(wg_last_tok < length, wg_first_tok, -1)
+      needs_mask = (kv0 < lo_max) | (kv0 + bkv - 1 > hi_min)
+      s = lax.cond(needs_mask, scale_and_mask, lambda s: s * scale_log2, s)
       m_new = jnp.maximum(m_prev, s.max(axis=1))
       alpha = jnp.exp2(m_prev - m_new)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, bkv), [0]))
