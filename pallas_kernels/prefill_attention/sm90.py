@@ -113,14 +113,19 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
       plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[b, kvh, pl.ds(row0, bq)])
       plgpu.wait_smem_to_gmem(0)
 
-    def kv_step(idx, k_tile, v_tile, carry):
+    def kv_step(idx, k_tile, v_tile, k_loaded, v_loaded, k_consumed, v_consumed, carry):
       acc, m_prev, l_prev, lo, hi = carry
       wg = lax.axis_index("wg")
+
+      # K and V have their own barriers: S = Q K^T starts as soon as K lands (V may still be in
+      # flight) and the K slot goes back to the producer as soon as S is read out.
+      plgpu.barrier_wait(k_loaded)
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem.at[wg], k_tile.T)
         return s_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+      plgpu.barrier_arrive(k_consumed)
       kv0 = (first_block + idx[0]) * bkv
 
       def scale_and_mask(s):
@@ -144,6 +149,7 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
       l_new = l_prev * alpha + p.sum(axis=1)
       p_smem[wg] = p.astype(dtype)
       plgpu.commit_smem()
+      plgpu.barrier_wait(v_loaded)
 
       # P V into a fresh accumulator added to the rescaled running output: storing into a wgmma
       # accumulator (or ACC.init under run_state) does not run in GPU interpret mode.
@@ -152,13 +158,15 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
         return o_ref[...]
       acc = acc * lax.broadcast_in_dim(alpha, (bq, Dh), [0]) + pl.run_scoped(
           pv, plgpu.ACC((bq, Dh), jnp.float32))
+      plgpu.barrier_arrive(v_consumed)
       return acc, m_new, l_new, lo, hi
 
     kv_spec = plgpu.BlockSpec((bkv, Dh), lambda j: (first_block + j, 0), transforms=qkv_transforms)
     pipeline = plgpu.emit_pipeline_warp_specialized(
         kv_step, grid=(num_blocks,), in_specs=[kv_spec, kv_spec],
         max_concurrent_steps=cfg.num_stages, num_compute_wgs=wgs, memory_registers=40,
-        wg_axis="wg", compute_context=compute_wg)
+        wg_axis="wg", compute_context=compute_wg, manual_produced_barriers=True,
+        manual_consumed_barriers=True)
     pipeline(k_gmem.at[b, :, kvh], v_gmem.at[b, :, kvh])
 
   out_rows = plgpu.kernel(
