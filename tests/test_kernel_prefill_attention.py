@@ -109,9 +109,13 @@ def test_auto_falls_back_to_xla_for_unsupported_head_dim():
     prefill_attention(q, k, v, implementation="pallas")
 
 
-@pytest.mark.parametrize("chunk_size", [8192, None])
-def test_lowers_for_sm90_at_maverick_shapes(chunk_size):
-  B, T, H, K, Dh = 1, 8192, 40, 8, 128
+# Maverick prefill (T=8192, chunk 8192 = RoPE layers, None = NoPE layers), a shorter prompt (64-key
+# blocks below 256 tokens) and head_dim 64. Outside interpret() this is the GPU code path (P V
+# accumulated in place), which the interpreter cannot run: lowering is its only check on CPU.
+@pytest.mark.parametrize("B,T,H,K,Dh,chunk_size", [
+    (1, 8192, 40, 8, 128, 8192), (1, 8192, 40, 8, 128, None), (2, 200, 40, 8, 128, 64),
+    (1, 2048, 16, 4, 64, 1000)])
+def test_lowers_for_sm90(B, T, H, K, Dh, chunk_size):
   S = jax.ShapeDtypeStruct
   fn = functools.partial(prefill_attention, chunk_size=chunk_size, implementation="pallas")
   text = common.lower_for_gpu(

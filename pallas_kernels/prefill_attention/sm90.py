@@ -23,6 +23,8 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import common
+
 _LOG2E = math.log2(math.e)
 # The running max starts finite, so a row that has seen only masked keys gets exp2(-inf - m) = 0
 # and alpha = exp2(m - m) = 1, never NaN; its sum stays 0 and its output is 0.
@@ -52,6 +54,18 @@ def _transforms(cols: int, itemsize: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _accumulate_pv(acc, p_smem, v_tile, *, in_place: bool):
+  """acc + P V. On the GPU the wgmma accumulates into `acc`'s registers (ACC.init under
+  run_state); GPU interpret mode cannot run that (the effect leaks out of its jaxpr), so there P V
+  goes into a fresh accumulator that is then added: same math, 64 more live registers per thread."""
+  def pv(o_ref):
+    plgpu.wgmma(o_ref, p_smem, v_tile)
+    return o_ref[...]
+  if in_place:
+    return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p_smem, v_tile))(plgpu.ACC.init(acc))
+  return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+
+
 def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: float,
                       config: Config | None = None):
   """q [B,T,H,Dh], k/v [B,T,K,Dh] bf16, lengths [B] int32 -> [B,T,H,Dh] bf16 (validated by api)."""
@@ -78,6 +92,7 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
   qkv_transforms = _transforms(Dh, jnp.dtype(dtype).itemsize)
   p_transforms = _transforms(bkv, jnp.dtype(dtype).itemsize)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
+  in_place_pv = not common.interpreting()
 
   def kernel(lengths_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, p_smem, q_barriers):
     # Causal tiles near the end of the prompt have the most work: launch them first.
@@ -151,13 +166,8 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
       plgpu.commit_smem()
       plgpu.barrier_wait(v_loaded)
 
-      # P V into a fresh accumulator added to the rescaled running output: storing into a wgmma
-      # accumulator (or ACC.init under run_state) does not run in GPU interpret mode.
-      def pv(o_ref):
-        plgpu.wgmma(o_ref, p_smem.at[wg], v_tile)
-        return o_ref[...]
-      acc = acc * lax.broadcast_in_dim(alpha, (bq, Dh), [0]) + pl.run_scoped(
-          pv, plgpu.ACC((bq, Dh), jnp.float32))
+      acc = acc * lax.broadcast_in_dim(alpha, (bq, Dh), [0])
+      acc = _accumulate_pv(acc, p_smem.at[wg], v_tile, in_place=in_place_pv)
       plgpu.barrier_arrive(v_consumed)
       return acc, m_new, l_new, lo, hi
 
