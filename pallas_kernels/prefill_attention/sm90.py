@@ -37,6 +37,9 @@ class Config:
   block_kv: int = 128  # keys per pipeline step
   num_stages: int = 2  # K/V tiles in flight
   num_compute_wgs: int = 2  # compute warpgroups per CTA, sharing every K/V tile
+  # With two compute warpgroups, alternate them (FA3 ping-pong): one's softmax runs while the
+  # other's wgmmas own the tensor cores.
+  ping_pong: bool = True
 
   def __post_init__(self):
     if self.block_q != 64 or self.block_kv % 64 or self.num_stages < 1 or self.num_compute_wgs < 1:
@@ -94,7 +97,17 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   in_place_pv = not common.interpreting()
 
-  def kernel(lengths_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, p_smem, q_barriers):
+  ping_pong = cfg.ping_pong and wgs == 2
+
+  def kernel(lengths_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, p_smem, q_barriers,
+             turn_barrier):
+    def take_turns():
+      # Both compute warpgroups pass here equally often (they walk the same KV blocks), so it
+      # never deadlocks; warpgroup 1 starts one turn behind, warpgroup 0 catches up at the end.
+      if ping_pong:
+        plgpu.barrier_arrive(turn_barrier)
+        plgpu.barrier_wait(turn_barrier)
+
     # Causal tiles near the end of the prompt have the most work: launch them first.
     cta = num_ctas_q - 1 - lax.axis_index("q")
     kvh, b = lax.axis_index("kv_head"), lax.axis_index("batch")
@@ -120,7 +133,9 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
       m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)
       l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
       plgpu.barrier_wait(q_barriers.at[wg])
+      pl.when(wg == 1)(take_turns)
       acc, m, l, _, _ = run_pipeline((acc, m, l, lo, hi))
+      pl.when(wg == 0)(take_turns)
       inv_l = 1.0 / jnp.where(l > 0, l, 1.0)  # l = 0 only where acc = 0: output 0
       out = acc * lax.broadcast_in_dim(inv_l, (bq, Dh), [0])
       q_smem[wg] = out.astype(dtype)  # Q is dead: its SMEM stages the output tile
@@ -138,6 +153,7 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem.at[wg], k_tile.T)
+        take_turns()  # while S = Q K^T runs
         return s_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(k_consumed)
@@ -164,6 +180,7 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
       l_new = l_prev * alpha + p.sum(axis=1)
       p_smem[wg] = p.astype(dtype)
       plgpu.commit_smem()
+      take_turns()  # softmax done: the other warpgroup's turn on the tensor cores ends
       plgpu.barrier_wait(v_loaded)
 
       acc = acc * lax.broadcast_in_dim(alpha, (bq, Dh), [0])
@@ -190,6 +207,7 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
           plgpu.SMEM((wgs, bq, Dh), dtype, transforms=qkv_transforms),
           plgpu.SMEM((wgs, bq, bkv), dtype, transforms=p_transforms),
           plgpu.Barrier(num_barriers=wgs),
+          plgpu.Barrier(num_arrivals=wgs),  # ping-pong turns
       ),
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, q_rows, k, v)
