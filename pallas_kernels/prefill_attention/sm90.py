@@ -8,8 +8,12 @@ A CTA owns `num_compute_wgs * block_q` packed rows of one (batch, kv head). Warp
 producer warpgroup streams the K/V tiles by TMA into a `num_stages`-deep ring of swizzled SMEM
 buffers; each compute warpgroup holds `block_q` rows (Q in SMEM, the running output, max and sum in
 registers) and per KV tile does S = Q K^T (wgmma, f32), the online softmax in f32 (exp2 with the
-scale folded in), P -> SMEM as bf16, O += P V (wgmma). The CTA walks only the KV blocks its rows can
-see: dynamic loop bounds from causality, the chunk start of its first token and lengths[b].
+scale folded in), P -> SMEM as bf16, O += P V (wgmma). Two compute warpgroups take turns (FA3
+ping-pong) so one's softmax overlaps the other's matmuls. The CTA walks only the KV blocks its rows
+can see: dynamic loop bounds from causality, the chunk start of its first token and lengths[b];
+only the blocks that straddle a boundary pay for the mask.
+
+Interpret mode vs GPU: the one difference is how P V is accumulated (see `_accumulate_pv`).
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
   rows = T_pad * G
   q_rows = q.reshape(B, T_pad, K, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, Dh)
-  lengths = jnp.minimum(lengths.astype(jnp.int32), T)
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, T)
   num_ctas_q = rows // cta_rows
   scale_log2 = sm_scale * _LOG2E
   qkv_transforms = _transforms(Dh, jnp.dtype(dtype).itemsize)
