@@ -19,7 +19,6 @@ Interpret mode vs GPU: the one difference is how P V is accumulated (see `_accum
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +27,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import common
-
-_LOG2E = math.log2(math.e)
-# The running max starts finite, so a row that has seen only masked keys gets exp2(-inf - m) = 0
-# and alpha = exp2(m - m) = 1, never NaN; its sum stays 0 and its output is 0.
-_M_INIT = -1e30
+from pallas_kernels.prefill_attention import tiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +49,6 @@ def default_config(head_dim: int, T: int) -> Config:
   del head_dim
   # Short prompts: 64-key blocks waste less on the diagonal and on padding.
   return Config(block_kv=64 if T <= 256 else 128)
-
-
-def _transforms(cols: int, itemsize: int):
-  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _accumulate_pv(acc, p_smem, v_tile, *, in_place: bool):
@@ -83,24 +73,14 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
   bq, bkv, wgs = cfg.block_q, cfg.block_kv, cfg.num_compute_wgs
   cta_rows = wgs * bq
   dtype = q.dtype
-
-  # Pad time so keys fill whole KV blocks and packed rows (T_pad * G) fill whole CTAs. Padded keys
-  # sit at s >= T >= lengths[b], so the mask hides them; padded query rows are sliced off.
-  align = math.lcm(bkv, cta_rows // math.gcd(cta_rows, G))
-  T_pad = pl.cdiv(T, align) * align
-  if T_pad != T:
-    pad = ((0, 0), (0, T_pad - T), (0, 0), (0, 0))
-    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-  rows = T_pad * G
-  q_rows = q.reshape(B, T_pad, K, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, Dh)
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, T)
+  q_rows, k, v, lengths = tiling.pack(q, k, v, lengths, block_kv=bkv, cta_rows=cta_rows)
+  rows = q_rows.shape[2]
   num_ctas_q = rows // cta_rows
-  scale_log2 = sm_scale * _LOG2E
-  qkv_transforms = _transforms(Dh, jnp.dtype(dtype).itemsize)
-  p_transforms = _transforms(bkv, jnp.dtype(dtype).itemsize)
+  scale_log2 = sm_scale * tiling.LOG2E
+  qkv_transforms = tiling.smem_transforms(Dh, dtype)
+  p_transforms = tiling.smem_transforms(bkv, dtype)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   in_place_pv = not common.interpreting()
-
   ping_pong = cfg.ping_pong and wgs == 2
 
   def kernel(lengths_gmem, q_gmem, k_gmem, v_gmem, o_gmem, q_smem, p_smem, q_barriers,
@@ -117,24 +97,16 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
     kvh, b = lax.axis_index("kv_head"), lax.axis_index("batch")
     length = lengths_gmem[b]
     cta_row0 = cta * cta_rows
-    first_tok = cta_row0 // G
-    last_tok = jnp.minimum((cta_row0 + cta_rows - 1) // G, length - 1)
-    # Keys any row of this CTA can see: [kv_lo, last_tok]. Causal: nothing past the last token;
-    # chunked: nothing before the first token's chunk start; nothing at or past lengths[b].
-    kv_lo = (first_tok // chunk_size) * chunk_size if chunk_size is not None else 0
-    first_block = kv_lo // bkv
-    num_blocks = jnp.maximum(pl.cdiv(last_tok + 1, bkv) - first_block, 0)
+    first_block, num_blocks = tiling.kv_blocks(cta_row0, cta_rows, G, length, chunk_size, bkv)
 
     def compute_wg(run_pipeline):
       wg = lax.axis_index("wg")
       row0 = cta_row0 + wg * bq
       plgpu.copy_gmem_to_smem(q_gmem.at[b, kvh, pl.ds(row0, bq)], q_smem.at[wg], q_barriers.at[wg])
-      # Per row, the visible keys are [lo, hi] (hi = -1: a padding row that sees nothing).
       tok = (plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_layout) + row0) // G
-      hi = jnp.where(tok < length, tok, -1)
-      lo = (tok // chunk_size) * chunk_size if chunk_size is not None else jnp.zeros_like(tok)
+      lo, hi = tiling.row_key_bounds(tok, length, chunk_size)
       acc = plgpu.layout_cast(jnp.zeros((bq, Dh), jnp.float32), plgpu.Layout.WGMMA)
-      m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)
+      m = plgpu.layout_cast(jnp.full((bq,), tiling.M_INIT, jnp.float32), row_layout)
       l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
       plgpu.barrier_wait(q_barriers.at[wg])
       pl.when(wg == 1)(take_turns)
@@ -169,14 +141,8 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
                    & (key <= lax.broadcast_in_dim(hi, (bq, bkv), [0])))
         return jnp.where(visible, s * scale_log2, -jnp.inf)
 
-      # Only blocks on the causal diagonal, the chunk start or the length need the mask; the rest
-      # (most of a long prompt) skip its integer work. Rows are token-major, so the bounds of the
-      # warpgroup's rows are those of its first and last token.
-      row0 = cta_row0 + wg * bq
-      wg_first_tok, wg_last_tok = row0 // G, (row0 + bq - 1) // G
-      lo_max = (wg_last_tok // chunk_size) * chunk_size if chunk_size is not None else 0
-      hi_min = jnp.where(wg_last_tok < length, wg_first_tok, -1)
-      needs_mask = (kv0 < lo_max) | (kv0 + bkv - 1 > hi_min)
+      # Blocks inside the visible region (most of a long prompt) skip the mask's integer work.
+      needs_mask = tiling.block_needs_mask(kv0, bkv, cta_row0 + wg * bq, bq, G, length, chunk_size)
       s = lax.cond(needs_mask, scale_and_mask, lambda s: s * scale_log2, s)
       m_new = jnp.maximum(m_prev, s.max(axis=1))
       alpha = jnp.exp2(m_prev - m_new)
@@ -215,5 +181,4 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
       ),
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(lengths, q_rows, k, v)
-  out = out_rows.reshape(B, K, T_pad, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T_pad, H, Dh)
-  return out[:, :T]
+  return tiling.unpack(out_rows, T, H)
