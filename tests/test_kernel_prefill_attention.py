@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import KernelInputError, common
-from pallas_kernels.prefill_attention import api, bench, reference, sm90
+from pallas_kernels.prefill_attention import bench, sm90, sm100
 from pallas_kernels.prefill_attention import prefill_attention
 
 # bf16 inputs, bf16 output: the output (a convex combination of unit-normal v, |out| < ~3) is rounded
@@ -84,6 +84,22 @@ def test_sm90_kernel_interpret(B, T, H, K, Dh, chunk_size, lengths, config):
   assert_matches(out, q, k, v, lengths, chunk_size)
 
 
+# sm100 (tcgen05, TMEM): one CTA = 128 packed rows; chunk boundary inside a block, lengths 0, GQA 5.
+@pytest.mark.parametrize("B,T,H,K,Dh,chunk_size,lengths,config", [
+    pytest.param(2, 80, 4, 1, 64, 48, [80, 0], sm100.Config(block_kv=64), id="chunk48-G4-len0"),
+    pytest.param(1, 160, 5, 1, 128, None, [150], sm100.Config(block_kv=64, num_stages=1),
+                 id="dh128-global-G5-unmasked-block"),
+])
+def test_sm100_kernel_interpret(B, T, H, K, Dh, chunk_size, lengths, config):
+  q, k, v = make_inputs(B, T, H, K, Dh, seed=4)
+  lengths = np.asarray(lengths, np.int32)
+  with common.interpret(arch="sm100"):
+    out = sm100.prefill_attention(q, k, v, jnp.asarray(lengths), chunk_size=chunk_size,
+                                  sm_scale=Dh ** -0.5, config=config)
+    out = jax.block_until_ready(out)
+  assert_matches(out, q, k, v, lengths, chunk_size)
+
+
 def test_api_pallas_interpret_default_lengths():
   q, k, v = make_inputs(1, 50, 4, 1, 64, seed=1)
   with common.interpret():
@@ -116,12 +132,22 @@ def test_auto_falls_back_to_xla_for_unsupported_head_dim():
     (1, 8192, 40, 8, 128, 8192), (1, 8192, 40, 8, 128, None), (2, 200, 40, 8, 128, 64),
     (1, 2048, 16, 4, 64, 1000)])
 def test_lowers_for_sm90(B, T, H, K, Dh, chunk_size):
+  _check_lowers(B, T, H, K, Dh, chunk_size, "sm90")
+
+
+@pytest.mark.parametrize("B,T,H,K,Dh,chunk_size", [
+    (1, 8192, 40, 8, 128, 8192), (1, 8192, 40, 8, 128, None), (1, 2048, 16, 4, 64, 1000)])
+def test_lowers_for_sm100(B, T, H, K, Dh, chunk_size):
+  _check_lowers(B, T, H, K, Dh, chunk_size, "sm100")
+
+
+def _check_lowers(B, T, H, K, Dh, chunk_size, arch):
   S = jax.ShapeDtypeStruct
   fn = functools.partial(prefill_attention, chunk_size=chunk_size, implementation="pallas")
   text = common.lower_for_gpu(
       lambda q, k, v, n: fn(q, k, v, lengths=n),
       S((B, T, H, Dh), jnp.bfloat16), S((B, T, K, Dh), jnp.bfloat16),
-      S((B, T, K, Dh), jnp.bfloat16), S((B,), jnp.int32), arch="sm90")
+      S((B, T, K, Dh), jnp.bfloat16), S((B,), jnp.int32), arch=arch)
   assert "mosaic_gpu" in text
 
 

@@ -5,8 +5,13 @@ Semantics (reference.py and the kernels agree):
   j // (H // K). Key s is visible to query t iff s <= t, s < lengths[b], and with `chunk_size` also
   s // chunk_size == t // chunk_size (chunks aligned to position 0, not a sliding window).
   Query rows t >= lengths[b] are padding: their output is 0 (so lengths[b] = 0 gives all zeros).
-  lengths default to T; values above T act as T. Softmax in f32, P V with bf16 probabilities and an
-  f32 accumulator; output bf16.
+  lengths default to T; values above T act as T (below 0 as 0). Softmax in f32, P V with bf16
+  probabilities and an f32 accumulator; output in q's dtype. sm_scale (default Dh**-0.5) and
+  chunk_size are static Python numbers.
+
+Kernels: sm90.py (Hopper: wgmma, TMA producer warpgroup + 2 ping-pong compute warpgroups) and
+sm100.py (Blackwell: tcgen05 into TMEM, one warpgroup). Both take bf16 with head_dim 64 or 128;
+anything else runs the XLA reference under implementation=None and raises under "pallas".
 """
 
 from __future__ import annotations
@@ -32,23 +37,17 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   lengths = lengths.astype(jnp.int32)
   if sm_scale is None:
     sm_scale = Dh ** -0.5
-  arch = _arch_or_none()
-  # No tcgen05 (sm100) variant yet, and wgmma does not exist on Blackwell: auto uses XLA there.
-  supported = Dh in SUPPORTED_HEAD_DIMS and q.dtype == jnp.bfloat16 and arch != "sm100"
+  supported = Dh in SUPPORTED_HEAD_DIMS and q.dtype == jnp.bfloat16
   impl = common.resolve(implementation, supported=supported,
-                        why=f"head_dim={Dh} (kernel takes {SUPPORTED_HEAD_DIMS}), dtype {q.dtype} "
-                            f"(kernel takes bfloat16), arch {arch} (kernel: sm90 only)")
+                        why=f"head_dim={Dh} (kernel takes {SUPPORTED_HEAD_DIMS}) with dtype "
+                            f"{q.dtype} (kernel takes bfloat16)")
   if impl == "xla":
     return reference.prefill_attention(q, k, v, lengths, chunk_size, float(sm_scale))
-  from pallas_kernels.prefill_attention import sm90
-  return sm90.prefill_attention(q, k, v, lengths, chunk_size=chunk_size, sm_scale=float(sm_scale))
-
-
-def _arch_or_none() -> str | None:
-  try:
-    return common.target_arch()
-  except common.KernelInputError:  # no Hopper/Blackwell GPU and not interpreting
-    return None
+  if common.target_arch() == "sm100":
+    from pallas_kernels.prefill_attention import sm100 as kernel
+  else:
+    from pallas_kernels.prefill_attention import sm90 as kernel
+  return kernel.prefill_attention(q, k, v, lengths, chunk_size=chunk_size, sm_scale=float(sm_scale))
 
 
 def _validate(q, k, v, lengths, chunk_size) -> None:
