@@ -1,6 +1,6 @@
-"""Prefill flash attention (pallas_kernels.prefill_attention): the sm90 kernel in GPU interpret mode
-(race detection on) and the XLA reference against a float64 NumPy reference; lowering for CUDA at
-Maverick shapes; bad input."""
+"""Prefill flash attention (pallas_kernels.prefill_attention): the sm90 and sm100 kernels in GPU
+interpret mode (race detection on) and the XLA reference against a float64 NumPy reference;
+lowering for CUDA (sm90, sm100) at Maverick shapes; bad input; the toy benchmark cases."""
 
 import functools
 
@@ -13,9 +13,10 @@ from pallas_kernels import KernelInputError, common
 from pallas_kernels.prefill_attention import bench, sm90, sm100
 from pallas_kernels.prefill_attention import prefill_attention
 
-# bf16 inputs, bf16 output: the output (a convex combination of unit-normal v, |out| < ~3) is rounded
-# to bf16 (half-ulp 2^-9 relative, <= 8e-3 at |out| < 4) and the probabilities enter P V as bf16
-# (another ~2^-9 relative on a weighted sum of |v| ~ 1); f32 softmax/accumulation is negligible.
+# bf16 inputs, bf16 output: the output (a convex combination of unit-normal v, |out| < ~3) is
+# rounded to bf16 (half-ulp 2^-9 relative, <= 8e-3 at |out| < 4) and the probabilities enter P V
+# as bf16 (another ~2^-9 relative on a weighted sum of |v| ~ 1); f32 softmax/accumulation is
+# negligible against that.
 ATOL = 2e-2
 
 
@@ -69,7 +70,8 @@ KERNEL_CASES = [
     pytest.param(2, 100, 5, 1, 64, 64, [0, 1], C(block_kv=64), id="chunk64-G5-T100-len0-len1"),
     pytest.param(1, 160, 5, 1, 64, None, [131], C(block_kv=64, num_stages=3, num_compute_wgs=1),
                  id="global-G5-T160-1wg-3stages"),
-    pytest.param(1, 96, 4, 1, 128, 40, [96], C(block_kv=128, num_stages=1), id="dh128-chunk40-G4-T96"),
+    pytest.param(1, 96, 4, 1, 128, 40, [96], C(block_kv=128, num_stages=1),
+                 id="dh128-chunk40-G4-T96"),
 ]
 
 
@@ -152,7 +154,8 @@ def _check_lowers(B, T, H, K, Dh, chunk_size, arch):
 
 
 def _bad(**overrides):
-  q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(1, 8, 4, 64), (1, 8, 2, 64), (1, 8, 2, 64)])
+  q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16)
+             for s in [(1, 8, 4, 64), (1, 8, 2, 64), (1, 8, 2, 64)])
   args = dict(q=q, k=k, v=v, lengths=None)
   args.update(overrides)
   return args
@@ -174,7 +177,8 @@ def test_bad_input(overrides, match):
 
 
 def test_unsupported_head_dim_with_pallas_raises():
-  q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(1, 8, 2, 80), (1, 8, 1, 80), (1, 8, 1, 80)])
+  q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16)
+             for s in [(1, 8, 2, 80), (1, 8, 1, 80), (1, 8, 1, 80)])
   with common.interpret(), pytest.raises(KernelInputError, match="head_dim=80"):
     jax.eval_shape(functools.partial(prefill_attention, implementation="pallas"), q, k, v)
 

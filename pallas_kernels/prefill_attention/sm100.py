@@ -2,9 +2,9 @@
 causal / chunk / length KV bounds, mask only on boundary blocks) with tcgen05 MMAs into TMEM.
 
 A CTA owns 128 packed rows (the tcgen05 M) of one (batch, kv head); one warpgroup runs a
-`num_stages`-deep TMA pipeline of swizzled K/V tiles and per tile: S = Q K^T into TMEM, S -> registers
-(one row per thread), online softmax in f32, P -> SMEM as bf16, the running O in TMEM rescaled in
-place by alpha, O += P V (tcgen05, accumulating in TMEM). The output is normalised on the way out.
+`num_stages`-deep TMA pipeline of swizzled K/V tiles and per tile: S = Q K^T into TMEM,
+S -> registers (one row per thread), online softmax in f32, P -> SMEM as bf16, the running O in
+TMEM rescaled in place by alpha, O += P V (tcgen05, accumulating in TMEM). The output is normalised on the way out.
 Not warp specialized and no FA4-style lazy rescaling or S/P TMEM aliasing yet.
 """
 
