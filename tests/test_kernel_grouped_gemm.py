@@ -1,0 +1,224 @@
+"""MoE grouped GEMM (pallas_kernels.grouped_gemm): the Mosaic GPU kernel in GPU interpret mode
+(race detection on) against a float64 NumPy reference, the schedule, lowering for sm_90 at
+Maverick shapes, the XLA path and bad input.
+
+Tolerances: bf16 and e4m3 products are exact in f32, so the kernel's only error is f32
+accumulation order (~K * 2^-24 relative to the row's magnitude) plus the output rounding: f32
+output within 1e-5 of the row's max |value|; bf16 output within 2^-8 of it (one bf16 rounding is
+2^-9 relative; twice that leaves room for the accumulation).
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import common
+from pallas_kernels.grouped_gemm import api, bench, grouped_matmul
+from pallas_kernels.grouped_gemm import schedule as sched_lib
+
+FP8 = jnp.float8_e4m3fn
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2.0 ** -8}
+
+
+def numpy_grouped_matmul(x, w, group_sizes, x_scale=None, w_scale=None):
+  """float64: rows of group g times w[g]^T, times the scales; rows past the sum stay 0."""
+  x = np.asarray(x, np.float64)
+  w = np.asarray(w, np.float64)
+  out = np.zeros((x.shape[0], w.shape[1]))
+  start = 0
+  for g, size in enumerate(np.asarray(group_sizes)):
+    rows = slice(start, start + size)
+    out[rows] = x[rows] @ w[g].T
+    if x_scale is not None:
+      out[rows] *= np.asarray(x_scale, np.float64)[rows, None]
+      out[rows] *= np.asarray(w_scale, np.float64)[g][None, :]
+    start += size
+  return out
+
+
+def make_inputs(seed, num_rows, k, n, group_sizes, dtype):
+  rng = np.random.default_rng(seed)
+  num_groups = len(group_sizes)
+  x = jnp.asarray(rng.normal(size=(num_rows, k)), dtype)
+  w = jnp.asarray(rng.normal(size=(num_groups, n, k)), dtype)
+  scales = {}
+  if dtype == FP8:
+    scales = dict(x_scale=jnp.asarray(rng.uniform(0.5, 2.0, num_rows), jnp.float32),
+                  w_scale=jnp.asarray(rng.uniform(0.01, 0.1, (num_groups, n)), jnp.float32))
+  return x, w, jnp.asarray(group_sizes, jnp.int32), scales
+
+
+def assert_rows_close(out, expected, out_dtype):
+  out = np.asarray(out, np.float64)
+  row_max = np.abs(expected).max(axis=1, keepdims=True)
+  tol = TOL[jnp.dtype(out_dtype)] * np.maximum(row_max, 1e-30)
+  bad = np.abs(out - expected) > tol
+  assert not bad.any(), (f"{bad.sum()} elements off; worst row "
+                         f"{np.argmax(bad.any(axis=1))}, max err {np.abs(out - expected).max()}")
+  zero_rows = row_max[:, 0] == 0  # rows past sum(group_sizes): exactly 0, not garbage
+  assert np.all(out[zero_rows] == 0)
+
+
+def run_kernel(x, w, group_sizes, scales, out_dtype):
+  with common.interpret():
+    out = grouped_matmul(x, w, group_sizes, **scales, out_dtype=out_dtype,
+                         implementation="pallas")
+    return jax.block_until_ready(out)
+
+
+# ---- the schedule (plain jnp, fast) ----
+
+@pytest.mark.parametrize("num_rows,group_sizes,tile_m", [
+    (70, [0, 1, 40, 0, 20], 64),  # tail of 9 zero rows, groups straddling blocks
+    (64, [64], 64),
+    (5, [0, 0, 5, 0], 64),
+    (16, None, 64),  # E=128, 16 rows: more experts than tiles
+    (300, [0, 1, 2, 3, 4, 5, 100, 185], 64),
+])
+def test_schedule_covers_each_row_once(num_rows, group_sizes, tile_m):
+  if group_sizes is None:
+    rng = np.random.default_rng(1)
+    group_sizes = np.bincount(rng.integers(0, 128, num_rows), minlength=128)
+  group_sizes = np.asarray(group_sizes)
+  schedule = np.asarray(sched_lib.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows,
+                                                tile_m))
+  assert schedule.shape == (4, sched_lib.padded_tiles(num_rows, len(group_sizes), tile_m))
+  expected_group = np.full(num_rows, sched_lib.ZERO_GROUP)
+  expected_group[:group_sizes.sum()] = np.repeat(np.arange(len(group_sizes)), group_sizes)
+  owner = np.full(num_rows, -2)
+  for group, block, lo, hi in schedule.T:
+    for row in range(block * tile_m + lo, block * tile_m + hi):
+      assert owner[row] == -2, f"row {row} owned twice"
+      owner[row] = group
+  np.testing.assert_array_equal(owner, expected_group)
+
+
+# ---- the kernel in interpret mode ----
+
+@pytest.mark.parametrize("dtype,out_dtype", [
+    (jnp.bfloat16, jnp.bfloat16), (FP8, jnp.float32), (FP8, jnp.bfloat16)])
+def test_odd_groups(dtype, out_dtype):
+  # A=70 not a multiple of the 64-row tile; groups of 0, 1 and odd sizes; 9 tail rows past the
+  # sum; the 40-row group straddles the block boundary.
+  group_sizes = [0, 1, 40, 0, 21]
+  x, w, gs, scales = make_inputs(0, 70, 256, 128, group_sizes, dtype)
+  out = run_kernel(x, w, gs, scales, out_dtype)
+  assert out.shape == (70, 128) and out.dtype == out_dtype
+  assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), out_dtype)
+
+
+def test_all_empty_but_one():
+  group_sizes = [0, 0, 0, 50, 0, 0]
+  x, w, gs, scales = make_inputs(1, 50, 128, 192, group_sizes, FP8)  # N=192: 64-wide N tiles
+  out = run_kernel(x, w, gs, scales, jnp.float32)
+  assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
+
+
+def test_many_experts_few_rows():
+  # Decode-like: E=128 experts, 16 rows (more experts than tiles), groups from a fixed seed.
+  rng = np.random.default_rng(2)
+  group_sizes = np.bincount(rng.integers(0, 128, 16), minlength=128)
+  x, w, gs, scales = make_inputs(2, 16, 128, 64, group_sizes, FP8)
+  out = run_kernel(x, w, gs, scales, jnp.float32)
+  assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
+
+
+def test_xla_path_matches_numpy():
+  group_sizes = [3, 0, 7, 1]
+  for dtype in (jnp.bfloat16, FP8):
+    x, w, gs, scales = make_inputs(3, 12, 64, 64, group_sizes, dtype)
+    out = grouped_matmul(x, w, gs, **scales, out_dtype=jnp.float32, implementation="xla")
+    assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
+
+
+def test_weight_only_fp8_falls_back_to_xla():
+  group_sizes = [2, 3]
+  x, _, gs, _ = make_inputs(4, 6, 128, 64, group_sizes, jnp.bfloat16)
+  _, w, _, scales = make_inputs(4, 6, 128, 64, group_sizes, FP8)
+  expected = numpy_grouped_matmul(x, w, group_sizes, np.ones(6), scales["w_scale"])
+  with common.interpret():
+    out = grouped_matmul(x, w, gs, w_scale=scales["w_scale"], out_dtype=jnp.float32)
+    assert_rows_close(out, expected, jnp.float32)
+    with pytest.raises(common.KernelInputError, match="bf16 x bf16"):
+      grouped_matmul(x, w, gs, w_scale=scales["w_scale"], implementation="pallas")
+
+
+# ---- lowering for sm_90 at Maverick shapes (Mosaic GPU layout inference + lowering on CPU) ----
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("num_rows,k,n,dtype,out_dtype", [
+    (8192, 5120, 8192, FP8, jnp.float32),  # prefill gate/up
+    (8192, 8192, 5120, FP8, jnp.float32),  # prefill down
+    (8192, 5120, 8192, jnp.bfloat16, jnp.bfloat16),
+    (16, 5120, 8192, FP8, jnp.bfloat16),  # decode
+    (16, 8192, 5120, jnp.bfloat16, jnp.float32),
+])
+def test_lowers_for_sm90(num_rows, k, n, dtype, out_dtype):
+  num_groups = 128
+  args = [S((num_rows, k), dtype), S((num_groups, n, k), dtype), S((num_groups,), jnp.int32)]
+  if dtype == FP8:
+    args += [S((num_rows,), jnp.float32), S((num_groups, n), jnp.float32)]
+    fn = lambda x, w, g, xs, ws: grouped_matmul(x, w, g, x_scale=xs, w_scale=ws,
+                                                out_dtype=out_dtype, implementation="pallas")
+  else:
+    fn = lambda x, w, g: grouped_matmul(x, w, g, out_dtype=out_dtype, implementation="pallas")
+  text = common.lower_for_gpu(fn, *args, arch="sm90")
+  assert "mosaic_gpu" in text
+
+
+# ---- bad input ----
+
+def _bad(**overrides):
+  x, w, gs, scales = make_inputs(5, 8, 128, 64, [3, 5], FP8)
+  kwargs = dict(x=x, w=w, group_sizes=gs, **scales)
+  kwargs.update(overrides)
+  return kwargs
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(x=jnp.zeros((8, 128), jnp.bfloat16), w=jnp.zeros((2, 64, 128), jnp.float32)),
+     "differ"),
+    (dict(x=jnp.zeros((8, 128), FP8), w=jnp.zeros((2, 64, 128), jnp.bfloat16)), "differ"),
+    (dict(w_scale=jnp.ones((2, 32), jnp.float32)), "w_scale"),
+    (dict(x_scale=jnp.ones((7,), jnp.float32)), "x_scale"),
+    (dict(group_sizes=jnp.ones((3,), jnp.int32)), "group_sizes"),
+    (dict(group_sizes=jnp.ones((2,), jnp.float32)), "integer"),
+    (dict(w=jnp.zeros((2, 64, 96), FP8)), "K=96"),
+    (dict(x=jnp.zeros((8, 128, 1), FP8)), "x:"),
+])
+def test_bad_input_raises(overrides, match):
+  with pytest.raises(common.KernelInputError, match=match):
+    grouped_matmul(**_bad(**overrides))
+
+
+def test_kernel_alignment_raises_for_pallas():
+  kwargs = _bad(x=jnp.zeros((8, 96), FP8), w=jnp.zeros((2, 64, 96), FP8))
+  with common.interpret():
+    with pytest.raises(common.KernelInputError, match="multiple of 128"):
+      grouped_matmul(**kwargs, implementation="pallas")
+    with pytest.raises(common.KernelInputError, match="multiple of 64"):
+      grouped_matmul(**_bad(w=jnp.zeros((2, 96, 128), FP8),
+                            w_scale=jnp.ones((2, 96), jnp.float32)), implementation="pallas")
+  out = grouped_matmul(**kwargs)  # auto: XLA
+  assert out.shape == (8, 64)
+
+
+def test_bad_out_dtype_and_implementation():
+  with pytest.raises(common.KernelInputError, match="out_dtype"):
+    grouped_matmul(**_bad(), out_dtype=jnp.int8)
+  with pytest.raises(common.KernelInputError, match="implementation"):
+    grouped_matmul(**_bad(), implementation="triton")
+
+
+def test_bench_toy_cases_match_reference():
+  with common.interpret():
+    for case in bench.benchmark_cases(toy=True):
+      out = np.asarray(case.kernel(*case.args), np.float64)
+      ref = np.asarray(case.reference(*case.args), np.float64)
+      rel = np.abs(out - ref).max() / np.abs(ref).max()
+      assert rel <= case.max_rel_error, (case.name, rel)
