@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import common
-from pallas_kernels.grouped_gemm import api, bench, grouped_matmul
+from pallas_kernels.grouped_gemm import bench, grouped_matmul, grouped_swiglu
 from pallas_kernels.grouped_gemm import schedule as sched_lib
 
 FP8 = jnp.float8_e4m3fn
@@ -51,10 +51,11 @@ def make_inputs(seed, num_rows, k, n, group_sizes, dtype):
   return x, w, jnp.asarray(group_sizes, jnp.int32), scales
 
 
-def assert_rows_close(out, expected, out_dtype):
+def assert_rows_close(out, expected, out_dtype, f32_tol=None):
   out = np.asarray(out, np.float64)
   row_max = np.abs(expected).max(axis=1, keepdims=True)
-  tol = TOL[jnp.dtype(out_dtype)] * np.maximum(row_max, 1e-30)
+  rel = TOL[jnp.dtype(out_dtype)] if f32_tol is None or out_dtype != jnp.float32 else f32_tol
+  tol = rel * np.maximum(row_max, 1e-30)
   bad = np.abs(out - expected) > tol
   assert not bad.any(), (f"{bad.sum()} elements off; worst row "
                          f"{np.argmax(bad.any(axis=1))}, max err {np.abs(out - expected).max()}")
@@ -83,8 +84,8 @@ def test_schedule_covers_each_row_once(num_rows, group_sizes, tile_m):
     rng = np.random.default_rng(1)
     group_sizes = np.bincount(rng.integers(0, 128, num_rows), minlength=128)
   group_sizes = np.asarray(group_sizes)
-  schedule = np.asarray(sched_lib.tile_schedule(jnp.asarray(group_sizes, jnp.int32), num_rows,
-                                                tile_m))
+  schedule = np.asarray(jax.jit(sched_lib.tile_schedule, static_argnums=(1, 2))(
+      jnp.asarray(group_sizes, jnp.int32), num_rows, tile_m))
   assert schedule.shape == (4, sched_lib.padded_tiles(num_rows, len(group_sizes), tile_m))
   expected_group = np.full(num_rows, sched_lib.ZERO_GROUP)
   expected_group[:group_sizes.sum()] = np.repeat(np.arange(len(group_sizes)), group_sizes)
@@ -124,6 +125,33 @@ def test_many_experts_few_rows():
   x, w, gs, scales = make_inputs(2, 16, 128, 64, group_sizes, FP8)
   out = run_kernel(x, w, gs, scales, jnp.float32)
   assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
+
+
+def numpy_swiglu(x, w_gate, w_up, group_sizes, x_scale=None, gate_scale=None, up_scale=None):
+  gate = numpy_grouped_matmul(x, w_gate, group_sizes, x_scale, gate_scale)
+  up = numpy_grouped_matmul(x, w_up, group_sizes, x_scale, up_scale)
+  return gate / (1.0 + np.exp(-gate)) * up
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(FP8, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_swiglu(dtype, out_dtype):
+  # Groups straddling the block, an empty one, 5 tail rows; silu(gate) * up in the epilogue.
+  group_sizes = [30, 0, 35]
+  x, w_gate, gs, scales = make_inputs(6, 70, 128, 64, group_sizes, dtype)
+  _, w_up, _, up_scales = make_inputs(7, 70, 128, 64, group_sizes, dtype)
+  kw = {}
+  if scales:
+    kw = dict(x_scale=scales["x_scale"], gate_scale=scales["w_scale"],
+              up_scale=up_scales["w_scale"])
+  with common.interpret():
+    out = jax.block_until_ready(grouped_swiglu(x, w_gate, w_up, gs, **kw, out_dtype=out_dtype,
+                                               implementation="pallas"))
+  # silu(g) * u: exact-product accumulators, then a few f32 ops (exp, divide) per element.
+  expected = numpy_swiglu(x, w_gate, w_up, group_sizes, kw.get("x_scale"), kw.get("gate_scale"),
+                          kw.get("up_scale"))
+  assert_rows_close(out, expected, out_dtype, f32_tol=1e-5)
+  xla = grouped_swiglu(x, w_gate, w_up, gs, **kw, out_dtype=out_dtype, implementation="xla")
+  assert_rows_close(xla, expected, out_dtype, f32_tol=1e-5)
 
 
 def test_xla_path_matches_numpy():
@@ -171,6 +199,25 @@ def test_lowers_for_sm90(num_rows, k, n, dtype, out_dtype):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("num_rows,dtype,out_dtype", [
+    (8192, FP8, jnp.bfloat16), (8192, jnp.bfloat16, jnp.float32), (16, FP8, jnp.float32)])
+def test_swiglu_lowers_for_sm90(num_rows, dtype, out_dtype):
+  # Two (E, F, K) weights and two accumulators: the largest SMEM/register footprint.
+  num_groups, k, n = 128, 5120, 8192
+  w = S((num_groups, n, k), dtype)
+  args = [S((num_rows, k), dtype), w, w, S((num_groups,), jnp.int32)]
+  if dtype == FP8:
+    args += [S((num_rows,), jnp.float32), S((num_groups, n), jnp.float32),
+             S((num_groups, n), jnp.float32)]
+    fn = lambda x, wg, wu, g, xs, gs, us: grouped_swiglu(
+        x, wg, wu, g, x_scale=xs, gate_scale=gs, up_scale=us, out_dtype=out_dtype,
+        implementation="pallas")
+  else:
+    fn = lambda x, wg, wu, g: grouped_swiglu(x, wg, wu, g, out_dtype=out_dtype,
+                                             implementation="pallas")
+  assert "mosaic_gpu" in common.lower_for_gpu(fn, *args, arch="sm90")
+
+
 # ---- bad input ----
 
 def _bad(**overrides):
@@ -206,6 +253,16 @@ def test_kernel_alignment_raises_for_pallas():
                             w_scale=jnp.ones((2, 96), jnp.float32)), implementation="pallas")
   out = grouped_matmul(**kwargs)  # auto: XLA
   assert out.shape == (8, 64)
+
+
+def test_swiglu_bad_input_raises():
+  kw = _bad()
+  x, w, gs = kw["x"], kw["w"], kw["group_sizes"]
+  with pytest.raises(common.KernelInputError, match="w_up"):
+    grouped_swiglu(x, w, w[:, :32], gs, x_scale=kw["x_scale"], gate_scale=kw["w_scale"],
+                   up_scale=kw["w_scale"][:, :32])
+  with pytest.raises(common.KernelInputError, match="both"):
+    grouped_swiglu(x, w, w, gs, x_scale=kw["x_scale"], gate_scale=kw["w_scale"])
 
 
 def test_bad_out_dtype_and_implementation():

@@ -9,6 +9,10 @@ it should sum to <= A (rows past the sum are 0; a larger sum is clipped at A). E
 fine. FP8: e4m3 x and w with per-row activation scales x_scale and per-expert per-output-channel
 weight scales w_scale, both applied to the f32 accumulator.
 
+grouped_swiglu(x, w_gate[E, F, K], w_up[E, F, K], group_sizes, *, x_scale, gate_scale[E, F],
+               up_scale[E, F], ...) -> silu(gate) * up [A, F]: the expert gate/up projections in
+one kernel (two accumulators per x tile; neither [A, F] product is written to HBM).
+
 Pallas kernel (sm_90): bf16 x bf16 without scales, or e4m3 x e4m3 with both scales; K a multiple
 of 128 bytes of the dtype (64 bf16 / 128 e4m3), N a multiple of 64. Anything else the reference
 takes (e.g. bf16 x with e4m3 w: weight-only quantization) runs on XLA under
@@ -22,10 +26,13 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.grouped_gemm import reference, sm90
+from pallas_kernels.grouped_gemm import schedule as sched_lib
 
 FP8 = jnp.float8_e4m3fn
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                  jnp.dtype(FP8))
+# The kernel keeps the whole tile schedule (16 bytes a tile) in SMEM: ~120k rows at most.
+_MAX_SCHEDULE_BYTES = 32 * 1024
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
@@ -77,6 +84,10 @@ def _kernel_support(x, w, x_scale, w_scale) -> tuple[bool, str]:
   if n % sm90.n_alignment():
     return False, (f"N={n} (w {w.shape}) must be a multiple of {sm90.n_alignment()}; pad the "
                    f"output channels of w")
+  tiles = sched_lib.padded_tiles(x.shape[0], w.shape[0], sm90.Config.tile_m)
+  if tiles * 16 > _MAX_SCHEDULE_BYTES:
+    return False, (f"A={x.shape[0]} rows need a {tiles}-tile schedule, over the "
+                   f"{_MAX_SCHEDULE_BYTES} bytes of SMEM it may take; split the rows into calls")
   try:
     arch = common.target_arch()
   except common.KernelInputError:
@@ -96,8 +107,29 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   if impl == "xla":
     return reference.grouped_matmul(x, w, group_sizes, x_scale=x_scale, w_scale=w_scale,
                                     out_dtype=out_dtype)
-  return sm90.grouped_matmul(
-      x, w, group_sizes.astype(jnp.int32),
-      None if x_scale is None else x_scale.astype(jnp.float32),
-      None if w_scale is None else w_scale.astype(jnp.float32),
-      jnp.dtype(out_dtype))
+  f32 = lambda a: None if a is None else a.astype(jnp.float32)
+  return sm90.grouped_matmul(x, w, group_sizes.astype(jnp.int32), f32(x_scale), f32(w_scale),
+                             jnp.dtype(out_dtype))
+
+
+def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array, *,
+                   x_scale: jax.Array | None = None, gate_scale: jax.Array | None = None,
+                   up_scale: jax.Array | None = None, out_dtype=jnp.bfloat16,
+                   implementation: str | None = None) -> jax.Array:
+  """[A, F] = silu(x @ w_gate[g]^T * scales) * (x @ w_up[g]^T * scales); see the module doc."""
+  _validate(x, w_gate, group_sizes, x_scale, gate_scale, out_dtype)
+  common.check(w_up.shape == w_gate.shape and w_up.dtype == w_gate.dtype,
+               f"w_up: {w_up.shape} {w_up.dtype} must match w_gate {w_gate.shape} "
+               f"{w_gate.dtype}")
+  common.check((gate_scale is None) == (up_scale is None),
+               "gate_scale and up_scale: pass both (FP8 experts) or neither")
+  _validate(x, w_up, group_sizes, x_scale, up_scale, out_dtype)
+  supported, why = _kernel_support(x, w_gate, x_scale, gate_scale)
+  impl = common.resolve(implementation, supported=supported, why=why)
+  if impl == "xla":
+    return reference.grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale=x_scale,
+                                    gate_scale=gate_scale, up_scale=up_scale,
+                                    out_dtype=out_dtype)
+  f32 = lambda a: None if a is None else a.astype(jnp.float32)
+  return sm90.grouped_swiglu(x, w_gate, w_up, group_sizes.astype(jnp.int32), f32(x_scale),
+                             f32(gate_scale), f32(up_scale), jnp.dtype(out_dtype))

@@ -46,3 +46,13 @@ def grouped_matmul(x, w, group_sizes, *, x_scale=None, w_scale=None, out_dtype=j
     col_scale = w_scale.astype(jnp.float32)[jnp.minimum(groups, num_groups - 1)]
     acc = jnp.where(valid[:, None], acc * col_scale, 0.0)
   return acc.astype(out_dtype)
+
+
+def grouped_swiglu(x, w_gate, w_up, group_sizes, *, x_scale=None, gate_scale=None,
+                   up_scale=None, out_dtype=jnp.bfloat16):
+  """silu(gate) * up of the two scaled f32 products, cast once at the end."""
+  gate = grouped_matmul(x, w_gate, group_sizes, x_scale=x_scale, w_scale=gate_scale,
+                        out_dtype=jnp.float32)
+  up = grouped_matmul(x, w_up, group_sizes, x_scale=x_scale, w_scale=up_scale,
+                      out_dtype=jnp.float32)
+  return (jax.nn.silu(gate) * up).astype(out_dtype)

@@ -73,13 +73,33 @@ def _store_owned_rows(o_smem, o_gmem, row0, lo, hi, col0, tile_m, tile_n):
 
 def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype, config: Config | None = None):
   """x [A, K], w [E, N, K] (same dtype: bf16, or e4m3 with x_scale [A], w_scale [E, N]) -> [A, N]."""
+  return _grouped_kernel(x, (w,), group_sizes, x_scale, (w_scale,), out_dtype,
+                         lambda acc: acc, config)
+
+
+def _silu_times(gate, up):
+  return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale, gate_scale, up_scale, out_dtype,
+                   config: Config | None = None):
+  """silu(x @ w_gate[g]^T) * (x @ w_up[g]^T), each product scaled like grouped_matmul: two
+  accumulators share each x tile, and only the [A, F] product leaves the SM."""
+  return _grouped_kernel(x, (w_gate, w_up), group_sizes, x_scale, (gate_scale, up_scale),
+                         out_dtype, _silu_times, config)
+
+
+def _grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combine, config):
+  """The shared kernel: one accumulator per weight (same shape), scaled accumulators are
+  combined elementwise by `combine` in the epilogue."""
   num_rows, k = x.shape
-  num_groups, n, _ = w.shape
+  num_groups, n, _ = weights[0].shape
   cfg = config or default_config(num_rows, n)
   tile_m, tile_n = cfg.tile_m, cfg.tile_n
   tile_k = cfg.tile_k or k_alignment(x.dtype)
   assert k % tile_k == 0 and n % tile_n == 0, (k, tile_k, n, tile_n)
   scaled = x_scale is not None
+  num_w = len(weights)
   num_tiles = sched_lib.padded_tiles(num_rows, num_groups, tile_m)
   num_n_blocks = n // tile_n
   k_steps = k // tile_k
@@ -93,27 +113,34 @@ def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype, config: Confi
     if scaled:
       x_scale = jnp.pad(x_scale, (0, padded_rows - num_rows))
   transforms = _transforms(x.dtype, tile_k)
+  # Keep one wgmma in flight while the next is issued: its SMEM slot is released one step late.
+  delay = 1 if k_steps > 1 else 0
 
-  def body(sched_gmem, x_gmem, w_gmem, *rest):
+  def body(sched_gmem, x_gmem, *rest):
+    w_gmems, rest = rest[:num_w], rest[num_w:]
     if scaled:
-      xs_gmem, ws_gmem, o_gmem = rest
+      xs_gmem, ws_gmems, o_gmem = rest[0], rest[1:1 + num_w], rest[-1]
     else:
       (o_gmem,) = rest
 
-    def tile_product(acc_ref, group, block, ni):
-      def step(_, x_smem, w_smem):
-        plgpu.wgmma(acc_ref, x_smem, w_smem.T)
-        plgpu.wgmma_wait(0)
+    def tile_products(acc_refs, group, block, ni):
+      def step(_, x_smem, *w_smems):
+        for acc_ref, w_smem in zip(acc_refs, w_smems):
+          plgpu.wgmma(acc_ref, x_smem, w_smem.T)  # B K-major: FP8 wgmma needs it
+        plgpu.wgmma_wait(delay * num_w)
 
+      w_spec = plgpu.BlockSpec((tile_n, tile_k), lambda kk: (ni, kk), transforms=transforms,
+                               delay_release=delay)
       plgpu.emit_pipeline(
           step,
           grid=(k_steps,),
           in_specs=[
-              plgpu.BlockSpec((tile_m, tile_k), lambda kk: (block, kk), transforms=transforms),
-              plgpu.BlockSpec((tile_n, tile_k), lambda kk: (ni, kk), transforms=transforms),
+              plgpu.BlockSpec((tile_m, tile_k), lambda kk: (block, kk), transforms=transforms,
+                              delay_release=delay),
+              *([w_spec] * num_w),
           ],
-          max_concurrent_steps=min(cfg.max_concurrent_steps, k_steps),
-      )(x_gmem, w_gmem.at[group])
+          max_concurrent_steps=max(cfg.max_concurrent_steps, delay + 1),
+      )(x_gmem, *(w_gmem.at[group] for w_gmem in w_gmems))
 
     def scoped(sched_smem, o_smem, scale_smem, sched_bar, scale_bar):
       plgpu.copy_gmem_to_smem(sched_gmem, sched_smem, sched_bar)
@@ -134,29 +161,31 @@ def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype, config: Confi
           # The previous step's TMA stores must have read o_smem before it is overwritten.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           o_smem[...] = value.astype(o_smem.dtype)
-          plgpu.commit_smem()
+          plgpu.commit_smem()  # also a warpgroup barrier: every thread is past the scale reads
           _store_owned_rows(o_smem, o_gmem, block * tile_m, lo, hi, ni * tile_n, tile_m, tile_n)
 
         @pl.when(used & (group >= 0))
         def _compute():
           if scaled:
-            xs_smem, ws_smem = scale_smem
+            xs_smem, ws_smems = scale_smem[0], scale_smem[1:]
             # Scale loads overlap the K loop.
             plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(block * tile_m, tile_m)], xs_smem, scale_bar)
-            plgpu.copy_gmem_to_smem(ws_gmem.at[group, pl.ds(ni * tile_n, tile_n)], ws_smem,
-                                    scale_bar)
+            for ws_gmem, ws_smem in zip(ws_gmems, ws_smems):
+              plgpu.copy_gmem_to_smem(ws_gmem.at[group, pl.ds(ni * tile_n, tile_n)], ws_smem,
+                                      scale_bar)
 
-          def acc_scope(acc_ref):
-            tile_product(acc_ref, group, block, ni)
-            return acc_ref[...]
+          def acc_scope(*acc_refs):
+            tile_products(acc_refs, group, block, ni)
+            return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-          acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_m, tile_n), jnp.float32))
+          accs = pl.run_scoped(acc_scope,
+                               *[plgpu.ACC((tile_m, tile_n), jnp.float32)] * num_w)
           if scaled:
             plgpu.barrier_wait(scale_bar)
             row_scale = lax.broadcast_in_dim(xs_smem[...], (tile_m, tile_n), (0,))
-            col_scale = lax.broadcast_in_dim(ws_smem[...], (tile_m, tile_n), (1,))
-            acc = acc * row_scale * col_scale
-          store(acc)
+            accs = [acc * row_scale * lax.broadcast_in_dim(ws_smem[...], (tile_m, tile_n), (1,))
+                    for acc, ws_smem in zip(accs, ws_smems)]
+          store(combine(*accs))
 
         @pl.when(used & (group < 0))
         def _zero_tail():
@@ -164,15 +193,17 @@ def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype, config: Confi
 
       plgpu.wait_smem_to_gmem(0)
 
-    scale_allocs = ((plgpu.SMEM((tile_m,), jnp.float32), plgpu.SMEM((tile_n,), jnp.float32))
-                    if scaled else None)
+    scale_allocs = None
+    if scaled:
+      scale_allocs = (plgpu.SMEM((tile_m,), jnp.float32),
+                      *[plgpu.SMEM((tile_n,), jnp.float32)] * num_w)
     pl.run_scoped(
         scoped,
         plgpu.SMEM(schedule.shape, jnp.int32),
         plgpu.SMEM((tile_m, tile_n), out_dtype),
         scale_allocs,
         plgpu.Barrier(num_arrivals=1),  # the schedule copy
-        plgpu.Barrier(num_arrivals=2) if scaled else None,  # the two scale copies of a tile
+        plgpu.Barrier(num_arrivals=1 + num_w) if scaled else None,  # a tile's scale copies
     )
 
   kernel = plgpu.kernel(
@@ -181,6 +212,5 @@ def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype, config: Confi
       grid=(common.num_sms(),),
       grid_names=("sm",),
   )
-  args = (schedule, x, w) + ((x_scale, w_scale) if scaled else ())
+  args = (schedule, x, *weights) + ((x_scale, *w_scales) if scaled else ())
   return kernel(*args)
-
