@@ -63,8 +63,8 @@ def assert_rows_close(out, expected, out_dtype, f32_tol=None):
   assert np.all(out[zero_rows] == 0)
 
 
-def run_kernel(x, w, group_sizes, scales, out_dtype):
-  with common.interpret():
+def run_kernel(x, w, group_sizes, scales, out_dtype, arch="sm90"):
+  with common.interpret(arch=arch):
     out = grouped_matmul(x, w, group_sizes, **scales, out_dtype=out_dtype,
                          implementation="pallas")
     return jax.block_until_ready(out)
@@ -99,14 +99,15 @@ def test_schedule_covers_each_row_once(num_rows, group_sizes, tile_m):
 
 # ---- the kernel in interpret mode ----
 
-@pytest.mark.parametrize("dtype,out_dtype", [
-    (jnp.bfloat16, jnp.bfloat16), (FP8, jnp.float32), (FP8, jnp.bfloat16)])
-def test_odd_groups(dtype, out_dtype):
-  # A=70 not a multiple of the 64-row tile; groups of 0, 1 and odd sizes; 9 tail rows past the
-  # sum; the 40-row group straddles the block boundary.
+@pytest.mark.parametrize("arch,dtype,out_dtype", [
+    ("sm90", jnp.bfloat16, jnp.bfloat16), ("sm90", FP8, jnp.float32),
+    ("sm100", FP8, jnp.bfloat16), ("sm100", jnp.bfloat16, jnp.float32)])
+def test_odd_groups(arch, dtype, out_dtype):
+  # A=70 not a multiple of the 64/128-row tile; groups of 0, 1 and odd sizes; 9 tail rows past
+  # the sum; the 40-row group straddles a 64-row block boundary.
   group_sizes = [0, 1, 40, 0, 21]
   x, w, gs, scales = make_inputs(0, 70, 256, 128, group_sizes, dtype)
-  out = run_kernel(x, w, gs, scales, out_dtype)
+  out = run_kernel(x, w, gs, scales, out_dtype, arch)
   assert out.shape == (70, 128) and out.dtype == out_dtype
   assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), out_dtype)
 
@@ -118,12 +119,13 @@ def test_all_empty_but_one():
   assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
 
 
-def test_many_experts_few_rows():
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_many_experts_few_rows(arch):
   # Decode-like: E=128 experts, 16 rows (more experts than tiles), groups from a fixed seed.
   rng = np.random.default_rng(2)
   group_sizes = np.bincount(rng.integers(0, 128, 16), minlength=128)
   x, w, gs, scales = make_inputs(2, 16, 128, 64, group_sizes, FP8)
-  out = run_kernel(x, w, gs, scales, jnp.float32)
+  out = run_kernel(x, w, gs, scales, jnp.float32, arch)
   assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
 
 
@@ -133,8 +135,9 @@ def numpy_swiglu(x, w_gate, w_up, group_sizes, x_scale=None, gate_scale=None, up
   return gate / (1.0 + np.exp(-gate)) * up
 
 
-@pytest.mark.parametrize("dtype,out_dtype", [(FP8, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
-def test_swiglu(dtype, out_dtype):
+@pytest.mark.parametrize("arch,dtype,out_dtype", [
+    ("sm90", FP8, jnp.bfloat16), ("sm90", jnp.bfloat16, jnp.float32), ("sm100", FP8, jnp.float32)])
+def test_swiglu(arch, dtype, out_dtype):
   # Groups straddling the block, an empty one, 5 tail rows; silu(gate) * up in the epilogue.
   group_sizes = [30, 0, 35]
   x, w_gate, gs, scales = make_inputs(6, 70, 128, 64, group_sizes, dtype)
@@ -143,7 +146,7 @@ def test_swiglu(dtype, out_dtype):
   if scales:
     kw = dict(x_scale=scales["x_scale"], gate_scale=scales["w_scale"],
               up_scale=up_scales["w_scale"])
-  with common.interpret():
+  with common.interpret(arch=arch):
     out = jax.block_until_ready(grouped_swiglu(x, w_gate, w_up, gs, **kw, out_dtype=out_dtype,
                                                implementation="pallas"))
   # silu(g) * u: exact-product accumulators, then a few f32 ops (exp, divide) per element.
@@ -174,19 +177,21 @@ def test_weight_only_fp8_falls_back_to_xla():
       grouped_matmul(x, w, gs, w_scale=scales["w_scale"], implementation="pallas")
 
 
-# ---- lowering for sm_90 at Maverick shapes (Mosaic GPU layout inference + lowering on CPU) ----
+# ---- lowering at Maverick shapes (Mosaic GPU layout inference + lowering on CPU) ----
 
 S = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("num_rows,k,n,dtype,out_dtype", [
-    (8192, 5120, 8192, FP8, jnp.float32),  # prefill gate/up
-    (8192, 8192, 5120, FP8, jnp.float32),  # prefill down
-    (8192, 5120, 8192, jnp.bfloat16, jnp.bfloat16),
-    (16, 5120, 8192, FP8, jnp.bfloat16),  # decode
-    (16, 8192, 5120, jnp.bfloat16, jnp.float32),
+@pytest.mark.parametrize("arch,num_rows,k,n,dtype,out_dtype", [
+    ("sm90", 8192, 5120, 8192, FP8, jnp.float32),  # prefill gate/up
+    ("sm90", 8192, 8192, 5120, FP8, jnp.float32),  # prefill down
+    ("sm90", 8192, 5120, 8192, jnp.bfloat16, jnp.bfloat16),
+    ("sm90", 16, 5120, 8192, FP8, jnp.bfloat16),  # decode
+    ("sm90", 16, 8192, 5120, jnp.bfloat16, jnp.float32),
+    ("sm100", 8192, 5120, 8192, FP8, jnp.float32),
+    ("sm100", 16, 8192, 5120, jnp.bfloat16, jnp.float32),
 ])
-def test_lowers_for_sm90(num_rows, k, n, dtype, out_dtype):
+def test_lowers_for_gpu(arch, num_rows, k, n, dtype, out_dtype):
   num_groups = 128
   args = [S((num_rows, k), dtype), S((num_groups, n, k), dtype), S((num_groups,), jnp.int32)]
   if dtype == FP8:
@@ -195,13 +200,15 @@ def test_lowers_for_sm90(num_rows, k, n, dtype, out_dtype):
                                                 out_dtype=out_dtype, implementation="pallas")
   else:
     fn = lambda x, w, g: grouped_matmul(x, w, g, out_dtype=out_dtype, implementation="pallas")
-  text = common.lower_for_gpu(fn, *args, arch="sm90")
+  text = common.lower_for_gpu(fn, *args, arch=arch)
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("num_rows,dtype,out_dtype", [
-    (8192, FP8, jnp.bfloat16), (8192, jnp.bfloat16, jnp.float32), (16, FP8, jnp.float32)])
-def test_swiglu_lowers_for_sm90(num_rows, dtype, out_dtype):
+@pytest.mark.parametrize("arch,num_rows,dtype,out_dtype", [
+    ("sm90", 8192, FP8, jnp.bfloat16), ("sm90", 8192, jnp.bfloat16, jnp.float32),
+    ("sm90", 16, FP8, jnp.float32), ("sm100", 8192, FP8, jnp.bfloat16),
+    ("sm100", 8192, jnp.bfloat16, jnp.float32)])
+def test_swiglu_lowers_for_gpu(arch, num_rows, dtype, out_dtype):
   # Two (E, F, K) weights and two accumulators: the largest SMEM/register footprint.
   num_groups, k, n = 128, 5120, 8192
   w = S((num_groups, n, k), dtype)
@@ -215,7 +222,7 @@ def test_swiglu_lowers_for_sm90(num_rows, dtype, out_dtype):
   else:
     fn = lambda x, wg, wu, g: grouped_swiglu(x, wg, wu, g, out_dtype=out_dtype,
                                              implementation="pallas")
-  assert "mosaic_gpu" in common.lower_for_gpu(fn, *args, arch="sm90")
+  assert "mosaic_gpu" in common.lower_for_gpu(fn, *args, arch=arch)
 
 
 # ---- bad input ----

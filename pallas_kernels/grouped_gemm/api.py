@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.grouped_gemm import reference, sm90
+from pallas_kernels.grouped_gemm import kernel, reference, sm90, sm100
 from pallas_kernels.grouped_gemm import schedule as sched_lib
 
 FP8 = jnp.float8_e4m3fn
@@ -78,13 +78,13 @@ def _kernel_support(x, w, x_scale, w_scale) -> tuple[bool, str]:
     return False, (f"x {x.dtype}, w {w.dtype}, x_scale {'set' if x_scale is not None else None},"
                    f" w_scale {'set' if w_scale is not None else None}: the kernel takes bf16 x "
                    f"bf16 without scales, or float8_e4m3fn x float8_e4m3fn with both scales")
-  if k % sm90.k_alignment(x.dtype):
-    return False, (f"K={k} (x {x.shape}) must be a multiple of {sm90.k_alignment(x.dtype)} "
+  if k % kernel.k_alignment(x.dtype):
+    return False, (f"K={k} (x {x.shape}) must be a multiple of {kernel.k_alignment(x.dtype)} "
                    f"for {x.dtype} (128-byte TMA/swizzle rows); pad K with zeros in x and w")
-  if n % sm90.n_alignment():
-    return False, (f"N={n} (w {w.shape}) must be a multiple of {sm90.n_alignment()}; pad the "
+  if n % kernel.n_alignment():
+    return False, (f"N={n} (w {w.shape}) must be a multiple of {kernel.n_alignment()}; pad the "
                    f"output channels of w")
-  tiles = sched_lib.padded_tiles(x.shape[0], w.shape[0], sm90.Config.tile_m)
+  tiles = sched_lib.padded_tiles(x.shape[0], w.shape[0], 64)  # sm90's, the larger
   if tiles * 16 > _MAX_SCHEDULE_BYTES:
     return False, (f"A={x.shape[0]} rows need a {tiles}-tile schedule, over the "
                    f"{_MAX_SCHEDULE_BYTES} bytes of SMEM it may take; split the rows into calls")
@@ -92,9 +92,12 @@ def _kernel_support(x, w, x_scale, w_scale) -> tuple[bool, str]:
     arch = common.target_arch()
   except common.KernelInputError:
     return True, ""  # resolve() explains there is nothing to run a kernel on
-  if arch != "sm90":
-    return False, f"there is no {arch} grouped GEMM kernel yet (wgmma is Hopper-only)"
+  del arch  # sm90 and sm100 both have a kernel
   return True, ""
+
+
+def _arch_module():
+  return {"sm90": sm90, "sm100": sm100}[common.target_arch()]
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
@@ -108,7 +111,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     return reference.grouped_matmul(x, w, group_sizes, x_scale=x_scale, w_scale=w_scale,
                                     out_dtype=out_dtype)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  return sm90.grouped_matmul(x, w, group_sizes.astype(jnp.int32), f32(x_scale), f32(w_scale),
+  return _arch_module().grouped_matmul(x, w, group_sizes.astype(jnp.int32), f32(x_scale), f32(w_scale),
                              jnp.dtype(out_dtype))
 
 
@@ -131,5 +134,5 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes
                                     gate_scale=gate_scale, up_scale=up_scale,
                                     out_dtype=out_dtype)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  return sm90.grouped_swiglu(x, w_gate, w_up, group_sizes.astype(jnp.int32), f32(x_scale),
+  return _arch_module().grouped_swiglu(x, w_gate, w_up, group_sizes.astype(jnp.int32), f32(x_scale),
                              f32(gate_scale), f32(up_scale), jnp.dtype(out_dtype))
