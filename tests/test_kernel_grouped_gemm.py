@@ -99,28 +99,30 @@ def test_schedule_covers_each_row_once(num_rows, group_sizes, tile_m):
 
 # ---- the kernel in interpret mode ----
 
-@pytest.mark.parametrize("arch,dtype,out_dtype", [
-    ("sm90", jnp.bfloat16, jnp.bfloat16), ("sm90", FP8, jnp.float32),
-    ("sm100", FP8, jnp.bfloat16), ("sm100", jnp.bfloat16, jnp.float32)])
-def test_odd_groups(arch, dtype, out_dtype):
+@pytest.mark.parametrize("arch,dtype,out_dtype,n", [
+    ("sm90", jnp.bfloat16, jnp.bfloat16, 192),  # N=192: three 64-wide N tiles
+    ("sm90", FP8, jnp.float32, 128),
+    ("sm100", FP8, jnp.bfloat16, 128), ("sm100", jnp.bfloat16, jnp.float32, 128)])
+def test_odd_groups(arch, dtype, out_dtype, n):
   # A=70 not a multiple of the 64/128-row tile; groups of 0, 1 and odd sizes; 9 tail rows past
-  # the sum; the 40-row group straddles a 64-row block boundary.
+  # the sum; the 40-row group straddles a 64-row block boundary; K=256: two pipelined K steps.
   group_sizes = [0, 1, 40, 0, 21]
-  x, w, gs, scales = make_inputs(0, 70, 256, 128, group_sizes, dtype)
+  x, w, gs, scales = make_inputs(0, 70, 256, n, group_sizes, dtype)
   out = run_kernel(x, w, gs, scales, out_dtype, arch)
-  assert out.shape == (70, 128) and out.dtype == out_dtype
+  assert out.shape == (70, n) and out.dtype == out_dtype
   assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), out_dtype)
 
 
 def test_all_empty_but_one():
-  group_sizes = [0, 0, 0, 50, 0, 0]
-  x, w, gs, scales = make_inputs(1, 50, 128, 192, group_sizes, FP8)  # N=192: 64-wide N tiles
+  # 100 experts, one non-empty: an 82-tile schedule, packed into two SMEM rows; 3 tail rows.
+  group_sizes = [0] * 100
+  group_sizes[73] = 77
+  x, w, gs, scales = make_inputs(1, 80, 128, 128, group_sizes, FP8)
   out = run_kernel(x, w, gs, scales, jnp.float32)
   assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
 
 
-@pytest.mark.parametrize("arch", ["sm90", "sm100"])
-def test_many_experts_few_rows(arch):
+def test_many_experts_few_rows(arch="sm90"):
   # Decode-like: E=128 experts, 16 rows (more experts than tiles), groups from a fixed seed.
   rng = np.random.default_rng(2)
   group_sizes = np.bincount(rng.integers(0, 128, 16), minlength=128)

@@ -91,7 +91,7 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
   num_n_blocks = n // tile_n
   k_steps = k // tile_k
 
-  schedule = sched_lib.tile_schedule(group_sizes, num_rows, tile_m)
+  schedule = sched_lib.pack(sched_lib.tile_schedule(group_sizes, num_rows, tile_m))
   # Whole row blocks are loaded, so pad x (and its scales) to a multiple of tile_m rows; the pad
   # rows are computed but never stored. No copy when A is already a multiple (prefill shapes).
   padded_rows = -(-num_rows // tile_m) * tile_m
@@ -163,10 +163,9 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
         (lin,) = info.index
         tile = lin // num_n_blocks
         ni = lin % num_n_blocks
-        group = sched_smem[sched_lib.GROUP, tile]
-        block = sched_smem[sched_lib.BLOCK, tile]
-        lo = sched_smem[sched_lib.ROW_LO, tile]
-        hi = sched_smem[sched_lib.ROW_HI, tile]
+        group, block, lo, hi = (
+            sched_lib.read_packed(sched_smem, num_tiles, field, tile)
+            for field in (sched_lib.GROUP, sched_lib.BLOCK, sched_lib.ROW_LO, sched_lib.ROW_HI))
         used = hi > lo
 
         def store(chunk_value):

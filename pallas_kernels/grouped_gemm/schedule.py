@@ -60,3 +60,23 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, tile_m: int) -> jax.Arr
   lo = jnp.where(used, lo, 0)
   hi = jnp.where(used, hi, 0)
   return jnp.stack([group, block, lo, hi]).astype(jnp.int32)
+
+
+# TMA boxes hold at most 256 elements per dimension: the kernel copies the schedule flattened into
+# rows of at most this many int32s.
+PACK_WIDTH = 256
+
+
+def pack(schedule: jax.Array) -> jax.Array:
+  """[4, T] -> [R, W] (row-major flat, zero padded): field f of tile t at flat index f * T + t."""
+  flat = schedule.reshape(-1)
+  width = min(PACK_WIDTH, flat.shape[0])
+  rows = -(-flat.shape[0] // width)
+  return jnp.pad(flat, (0, rows * width - flat.shape[0])).reshape(rows, width)
+
+
+def read_packed(packed_ref, num_tiles: int, field: int, tile):
+  """Field `field` of tile `tile` (traced) from the packed schedule in SMEM."""
+  flat = field * num_tiles + tile
+  width = packed_ref.shape[1]
+  return packed_ref[flat // width, flat % width]
