@@ -274,6 +274,13 @@ def test_swiglu_bad_input_raises():
     grouped_swiglu(x, w, w, gs, x_scale=kw["x_scale"], gate_scale=kw["w_scale"])
 
 
+def test_no_rows():
+  x, w, gs, scales = make_inputs(8, 0, 128, 64, [0, 0], FP8)
+  with common.interpret():
+    out = grouped_matmul(x, w, gs, **scales, implementation="pallas")
+  assert out.shape == (0, 64)
+
+
 def test_bad_out_dtype_and_implementation():
   with pytest.raises(common.KernelInputError, match="out_dtype"):
     grouped_matmul(**_bad(), out_dtype=jnp.int8)
