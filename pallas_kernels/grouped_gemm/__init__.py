@@ -1,0 +1,5 @@
+"""MoE grouped GEMM (rows sorted by expert): Pallas Mosaic GPU kernel and XLA reference."""
+
+from pallas_kernels.grouped_gemm.api import grouped_matmul, grouped_swiglu
+
+__all__ = ["grouped_matmul", "grouped_swiglu"]

@@ -1,0 +1,135 @@
+"""MoE grouped GEMM: out[a] = x[a] @ w[group(a)]^T for rows sorted by group.
+
+    grouped_matmul(x[A, K], w[E, N, K], group_sizes[E] int32, *, x_scale[A] | None,
+                   w_scale[E, N] | None, out_dtype=bf16, implementation=None) -> [A, N]
+
+Weights are stored K-major per expert, (E, N, K), as FP8 tensor cores want (maverick.moe keeps
+(E, D, F) = (E, K, N): swap the last two axes once at load time). group_sizes is a device array;
+it should sum to <= A (rows past the sum are 0; a larger sum is clipped at A). Empty groups are
+fine. FP8: e4m3 x and w with per-row activation scales x_scale and per-expert per-output-channel
+weight scales w_scale, both applied to the f32 accumulator.
+
+grouped_swiglu(x, w_gate[E, F, K], w_up[E, F, K], group_sizes, *, x_scale, gate_scale[E, F],
+               up_scale[E, F], ...) -> silu(gate) * up [A, F]: the expert gate/up projections in
+one kernel (two accumulators per x tile; neither [A, F] product is written to HBM).
+
+Pallas kernels (sm_90: wgmma; sm_100: tcgen05 + TMEM; one shared persistent kernel, kernel.py):
+bf16 x bf16 without scales, or e4m3 x e4m3 with both scales; K a multiple of 128 bytes of the
+dtype (64 bf16 / 128 e4m3), N a multiple of 64, A up to ~120k rows (the tile schedule lives in
+SMEM). Anything else the reference takes (e.g. bf16 x with e4m3 w: weight-only quantization)
+runs on XLA under implementation=None; implementation="pallas" raises KernelInputError naming
+why. Output is exact-product f32 accumulation: only the summation order differs from XLA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels.grouped_gemm import kernel, reference, sm90, sm100
+from pallas_kernels.grouped_gemm import schedule as sched_lib
+
+FP8 = jnp.float8_e4m3fn
+_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                 jnp.dtype(FP8))
+# The kernel keeps the whole tile schedule (16 bytes a tile) in SMEM: ~120k rows at most.
+_MAX_SCHEDULE_BYTES = 32 * 1024
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _validate(x, w, group_sizes, x_scale, w_scale, out_dtype):
+  check = common.check
+  check(x.ndim == 2, f"x: expected [A, K], got shape {x.shape}")
+  check(w.ndim == 3, f"w: expected [E, N, K] (K-major per expert), got shape {w.shape}")
+  num_rows, k = x.shape
+  num_groups, n, wk = w.shape
+  check(wk == k, f"w: shape {w.shape} has K={wk} but x {x.shape} has K={k}; weights are "
+        f"(E, N, K): swap the last two axes of an (E, K, N) array")
+  check(x.dtype in _INPUT_DTYPES, f"x: dtype {x.dtype} not supported; use one of "
+        f"{[str(d) for d in _INPUT_DTYPES]}")
+  check(w.dtype in _INPUT_DTYPES, f"w: dtype {w.dtype} not supported; use one of "
+        f"{[str(d) for d in _INPUT_DTYPES]}")
+  weight_only = w.dtype == FP8 and x.dtype != FP8
+  check(x.dtype == w.dtype or weight_only,
+        f"x dtype {x.dtype} and w dtype {w.dtype} differ; cast them to one dtype (only FP8 "
+        f"weights may meet non-FP8 activations, as weight-only quantization)")
+  check(group_sizes.shape == (num_groups,),
+        f"group_sizes: expected shape ({num_groups},) (one per expert of w {w.shape}), got "
+        f"{group_sizes.shape}")
+  check(jnp.issubdtype(group_sizes.dtype, jnp.integer),
+        f"group_sizes: expected an integer dtype (int32), got {group_sizes.dtype}")
+  if x_scale is not None:
+    check(x_scale.shape == (num_rows,),
+          f"x_scale: expected shape ({num_rows},) (one per row of x {x.shape}), got "
+          f"{x_scale.shape}")
+  if w_scale is not None:
+    check(w_scale.shape == (num_groups, n),
+          f"w_scale: expected shape ({num_groups}, {n}) (per expert, per output channel of w "
+          f"{w.shape}), got {w_scale.shape}")
+  check(jnp.dtype(out_dtype) in _OUT_DTYPES,
+        f"out_dtype: {out_dtype} not supported; use bfloat16 or float32")
+
+
+def _kernel_support(x, w, x_scale, w_scale) -> tuple[bool, str]:
+  """Whether the Pallas kernel takes these inputs, and why not."""
+  k, n = x.shape[1], w.shape[1]
+  plain = x.dtype == w.dtype == jnp.bfloat16 and x_scale is None and w_scale is None
+  fp8 = x.dtype == w.dtype == FP8 and x_scale is not None and w_scale is not None
+  if not (plain or fp8):
+    return False, (f"x {x.dtype}, w {w.dtype}, x_scale {'set' if x_scale is not None else None},"
+                   f" w_scale {'set' if w_scale is not None else None}: the kernel takes bf16 x "
+                   f"bf16 without scales, or float8_e4m3fn x float8_e4m3fn with both scales")
+  if k % kernel.k_alignment(x.dtype):
+    return False, (f"K={k} (x {x.shape}) must be a multiple of {kernel.k_alignment(x.dtype)} "
+                   f"for {x.dtype} (128-byte TMA/swizzle rows); pad K with zeros in x and w")
+  if n % kernel.n_alignment():
+    return False, (f"N={n} (w {w.shape}) must be a multiple of {kernel.n_alignment()}; pad the "
+                   f"output channels of w")
+  tiles = sched_lib.padded_tiles(x.shape[0], w.shape[0], 64)  # sm90's, the larger
+  if tiles * 16 > _MAX_SCHEDULE_BYTES:
+    return False, (f"A={x.shape[0]} rows need a {tiles}-tile schedule, over the "
+                   f"{_MAX_SCHEDULE_BYTES} bytes of SMEM it may take; split the rows into calls")
+  return True, ""
+
+
+def _arch_module():
+  return {"sm90": sm90, "sm100": sm100}[common.target_arch()]
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                   x_scale: jax.Array | None = None, w_scale: jax.Array | None = None,
+                   out_dtype=jnp.bfloat16, implementation: str | None = None) -> jax.Array:
+  """[A, N] = per-group x @ w[g]^T, scaled by x_scale[a] * w_scale[g, n]; see the module doc."""
+  _validate(x, w, group_sizes, x_scale, w_scale, out_dtype)
+  supported, why = _kernel_support(x, w, x_scale, w_scale)
+  impl = common.resolve(implementation, supported=supported, why=why)
+  if impl == "xla" or x.shape[0] == 0:  # no rows: nothing for a kernel to schedule
+    return reference.grouped_matmul(x, w, group_sizes, x_scale=x_scale, w_scale=w_scale,
+                                    out_dtype=out_dtype)
+  f32 = lambda a: None if a is None else a.astype(jnp.float32)
+  return _arch_module().grouped_matmul(x, w, group_sizes.astype(jnp.int32), f32(x_scale), f32(w_scale),
+                             jnp.dtype(out_dtype))
+
+
+def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array, *,
+                   x_scale: jax.Array | None = None, gate_scale: jax.Array | None = None,
+                   up_scale: jax.Array | None = None, out_dtype=jnp.bfloat16,
+                   implementation: str | None = None) -> jax.Array:
+  """[A, F] = silu(x @ w_gate[g]^T * scales) * (x @ w_up[g]^T * scales); see the module doc."""
+  _validate(x, w_gate, group_sizes, x_scale, gate_scale, out_dtype)
+  common.check(w_up.shape == w_gate.shape and w_up.dtype == w_gate.dtype,
+               f"w_up: {w_up.shape} {w_up.dtype} must match w_gate {w_gate.shape} "
+               f"{w_gate.dtype}")
+  common.check((gate_scale is None) == (up_scale is None),
+               "gate_scale and up_scale: pass both (FP8 experts) or neither")
+  _validate(x, w_up, group_sizes, x_scale, up_scale, out_dtype)
+  supported, why = _kernel_support(x, w_gate, x_scale, gate_scale)
+  impl = common.resolve(implementation, supported=supported, why=why)
+  if impl == "xla" or x.shape[0] == 0:
+    return reference.grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale=x_scale,
+                                    gate_scale=gate_scale, up_scale=up_scale,
+                                    out_dtype=out_dtype)
+  f32 = lambda a: None if a is None else a.astype(jnp.float32)
+  return _arch_module().grouped_swiglu(x, w_gate, w_up, group_sizes.astype(jnp.int32), f32(x_scale),
+                             f32(gate_scale), f32(up_scale), jnp.dtype(out_dtype))

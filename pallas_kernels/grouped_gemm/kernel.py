@@ -1,0 +1,246 @@
+"""The grouped GEMM kernel shared by Hopper (sm_90, wgmma, register accumulators) and Blackwell
+(sm_100, tcgen05 MMA, TMEM accumulators): a persistent Mosaic GPU kernel with TMA, swizzled SMEM
+and a multi-stage K pipeline. sm90.py / sm100.py pick the architecture and tile sizes.
+
+Work decomposition: the device-side schedule (schedule.py) lists (group, row block, owned rows)
+tiles; the kernel runs `nd_loop` over tiles x N-blocks, one CTA per SM. Each step loads the row
+block of x and the (tile_n, tile_k) K-major slices of that group's weight through an
+`emit_pipeline` (TMA into 128-byte-swizzled SMEM, `max_concurrent_steps` stages) and accumulates
+with wgmma in registers (sm_90) or tcgen05 MMAs into TMEM (sm_100). FP8 MMAs need both operands
+K-major, so weights stay (E, N, K) and the B operand is `w_smem.T`. One MMA stays in flight while
+the next is issued: the pipeline releases each SMEM slot one step late (delay_release=1), after
+that step's MMA is known complete (wgmma_wait(1) / a tensor-core barrier per step parity).
+
+Epilogue: f32 accumulator x row scale x channel scale (FP8) -> out dtype -> unswizzled SMEM ->
+TMA stores of only the owned rows, as a ladder of power-of-two row counts (TMA boxes are static;
+the owned count is known at run time: each set bit of it is one store). Rows owned by another
+group's tile are never written here, so neighbouring tiles of one block never race.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.grouped_gemm import schedule as sched_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  tile_m: int  # the MMA M (wgmma: 64 per warpgroup; tcgen05: 128), also the schedule's row block
+  tile_n: int
+  tile_k: int | None = None  # None: 128 bytes of K (one 128-byte swizzle row)
+  max_concurrent_steps: int = 4
+  epilogue_n: int | None = None  # columns per epilogue chunk (None: the whole tile)
+
+
+def k_alignment(dtype) -> int:
+  """K must be a multiple of this: one 128-byte swizzle row of the operand dtype."""
+  return 128 // jnp.dtype(dtype).itemsize
+
+
+def n_alignment() -> int:
+  return 64
+
+
+def _transforms(dtype, tile_k):
+  swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
+  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _store_owned_rows(o_smem, o_gmem, row0, lo, hi, col0, tile_m, tile_n):
+  """TMA-stores rows [lo, hi) of o_smem to o_gmem rows row0 + [lo, hi): one static-size store per
+  set bit of hi - lo, largest first."""
+  count = hi - lo
+  start = lo
+  size = tile_m
+  while size >= 1:
+    @pl.when((count & size) != 0)
+    def _(start=start, size=size):
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, size)],
+                              o_gmem.at[pl.ds(row0 + start, size), pl.ds(col0, tile_n)])
+    start = start + (count & size)
+    size //= 2
+
+
+def silu_times(gate, up):
+  return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combine,
+                   cfg: Config, arch: str):
+  """[A, N] = combine(*(scaled x @ w[g]^T for w in weights)): one accumulator per weight (1 or 2,
+  same shape), combined elementwise in the epilogue (identity, or silu(gate) * up)."""
+  assert arch in ("sm90", "sm100"), arch
+  num_rows, k = x.shape
+  num_groups, n, _ = weights[0].shape
+  tile_m, tile_n = cfg.tile_m, cfg.tile_n
+  epilogue_n = cfg.epilogue_n or tile_n
+  tile_k = cfg.tile_k or k_alignment(x.dtype)
+  assert k % tile_k == 0 and n % tile_n == 0, (k, tile_k, n, tile_n)
+  scaled = x_scale is not None
+  num_w = len(weights)
+  num_tiles = sched_lib.padded_tiles(num_rows, num_groups, tile_m)
+  num_n_blocks = n // tile_n
+  k_steps = k // tile_k
+
+  schedule = sched_lib.pack(sched_lib.tile_schedule(group_sizes, num_rows, tile_m))
+  # Whole row blocks are loaded, so pad x (and its scales) to a multiple of tile_m rows; the pad
+  # rows are computed but never stored. No copy when A is already a multiple (prefill shapes).
+  padded_rows = -(-num_rows // tile_m) * tile_m
+  if padded_rows != num_rows:
+    x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
+    if scaled:
+      x_scale = jnp.pad(x_scale, (0, padded_rows - num_rows))
+  transforms = _transforms(x.dtype, tile_k)
+  # Keep one MMA in flight while the next is issued: its SMEM slot is released one step late.
+  delay = 1 if k_steps > 1 else 0
+
+  def body(sched_gmem, x_gmem, *rest):
+    w_gmems, rest = rest[:num_w], rest[num_w:]
+    if scaled:
+      xs_gmem, ws_gmems, o_gmem = rest[0], rest[1:1 + num_w], rest[-1]
+    else:
+      (o_gmem,) = rest
+
+    def k_pipeline(step, group, block, ni):
+      """Runs step(k_index, x_smem, *w_smems) over K with TMA prefetch of the next stages."""
+      w_spec = plgpu.BlockSpec((tile_n, tile_k), lambda kk: (ni, kk), transforms=transforms,
+                               delay_release=delay)
+      plgpu.emit_pipeline(
+          lambda idx, x_smem, *w_smems: step(idx[0], x_smem, *w_smems),
+          grid=(k_steps,),
+          in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda kk: (block, kk),
+                                    transforms=transforms, delay_release=delay),
+                    *([w_spec] * num_w)],
+          max_concurrent_steps=max(cfg.max_concurrent_steps, delay + 1),
+      )(x_gmem, *(w_gmem.at[group] for w_gmem in w_gmems))
+
+    def wgmma_products(group, block, ni):
+      """sm_90: f32 accumulators in registers; returns a chunk reader over them."""
+      def acc_scope(*acc_refs):
+        def step(kk, x_smem, *w_smems):
+          for acc_ref, w_smem in zip(acc_refs, w_smems):
+            plgpu.wgmma(acc_ref, x_smem, w_smem.T)  # B K-major: FP8 wgmma needs it
+          plgpu.wgmma_wait(delay * num_w)  # each wgmma is one group: the previous step's done
+        k_pipeline(step, group, block, ni)
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((tile_m, tile_n), jnp.float32)] * num_w)
+      return lambda i, cols: accs[i][:, cols.start:cols.start + cols.size]
+
+    def tcgen05_products(acc_tmems, mma_bars, group, block, ni):
+      """sm_100: f32 accumulators in TMEM; returns a chunk reader (TMEM -> registers)."""
+      def step(kk, x_smem, *w_smems):
+        for acc_tmem, w_smem in zip(acc_tmems, w_smems):
+          plgpu.tcgen05_mma(acc_tmem, x_smem, w_smem.T, accumulate=kk > 0)
+        plgpu.tcgen05_commit_arrive(mma_bars.at[kk % 2])  # fires when this step's MMAs finish
+        if delay:
+          @pl.when(kk > 0)
+          def _():  # the previous step's slot is released after this step returns
+            plgpu.barrier_wait(mma_bars.at[(kk - 1) % 2])
+        else:
+          plgpu.barrier_wait(mma_bars.at[0])
+
+      k_pipeline(step, group, block, ni)
+      if delay:
+        plgpu.barrier_wait(mma_bars.at[(k_steps - 1) % 2])
+      return lambda i, cols: plgpu.async_load_tmem(acc_tmems[i].at[:, cols])
+
+    def scoped(sched_smem, o_smem, scale_smem, sched_bar, scale_bar, mma_bars, acc_tmems):
+      plgpu.copy_gmem_to_smem(sched_gmem, sched_smem, sched_bar)
+      plgpu.barrier_wait(sched_bar)
+
+      @plgpu.nd_loop((num_tiles * num_n_blocks,), collective_axes="sm")
+      def _tile_loop(info):
+        (lin,) = info.index
+        tile = lin // num_n_blocks
+        ni = lin % num_n_blocks
+        group, block, lo, hi = (
+            sched_lib.read_packed(sched_smem, num_tiles, field, tile)
+            for field in (sched_lib.GROUP, sched_lib.BLOCK, sched_lib.ROW_LO, sched_lib.ROW_HI))
+        used = hi > lo
+
+        def store(chunk_value):
+          """chunk_value(cols) -> f32 [tile_m, len(cols)]; writes the tile's owned rows."""
+          # The previous step's TMA stores must have read o_smem before it is overwritten.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for c in range(tile_n // epilogue_n):
+            cols = pl.ds(c * epilogue_n, epilogue_n)
+            value = chunk_value(cols).astype(o_smem.dtype)
+            if epilogue_n == tile_n:
+              o_smem[...] = value
+            else:
+              o_smem[:, cols] = value
+          if arch == "sm100":
+            plgpu.wait_load_tmem()  # TMEM reads done before the next tile's MMAs overwrite it
+          plgpu.commit_smem()  # also a warpgroup barrier: every thread is past the scale reads
+          _store_owned_rows(o_smem, o_gmem, block * tile_m, lo, hi, ni * tile_n, tile_m, tile_n)
+
+        @pl.when(used & (group >= 0))
+        def _compute():
+          if scaled:
+            xs_smem, ws_smems = scale_smem[0], scale_smem[1:]
+            # Scale loads overlap the K loop.
+            plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(block * tile_m, tile_m)], xs_smem, scale_bar)
+            for ws_gmem, ws_smem in zip(ws_gmems, ws_smems):
+              plgpu.copy_gmem_to_smem(ws_gmem.at[group, pl.ds(ni * tile_n, tile_n)], ws_smem,
+                                      scale_bar)
+          if arch == "sm90":
+            read_acc = wgmma_products(group, block, ni)
+          else:
+            read_acc = tcgen05_products(acc_tmems, mma_bars, group, block, ni)
+          if scaled:
+            plgpu.barrier_wait(scale_bar)
+
+          def chunk_value(cols):
+            accs = [read_acc(i, cols) for i in range(num_w)]
+            if scaled:
+              shape = (tile_m, cols.size)
+              row_scale = lax.broadcast_in_dim(xs_smem[...], shape, (0,))
+              accs = [acc * row_scale * lax.broadcast_in_dim(ws_smem[cols], shape, (1,))
+                      for acc, ws_smem in zip(accs, ws_smems)]
+            return combine(*accs)
+
+          store(chunk_value)
+
+        @pl.when(used & (group < 0))
+        def _zero_tail():
+          store(lambda cols: jnp.zeros((tile_m, cols.size), jnp.float32))
+
+      plgpu.wait_smem_to_gmem(0)
+
+    scale_allocs = None
+    if scaled:
+      scale_allocs = (plgpu.SMEM((tile_m,), jnp.float32),
+                      *[plgpu.SMEM((tile_n,), jnp.float32)] * num_w)
+    tensor_core_allocs = (None, None)
+    if arch == "sm100":
+      tensor_core_allocs = (
+          plgpu.Barrier(num_barriers=2, orders_tensor_core=True),  # MMA done, by step parity
+          [plgpu.TMEM((tile_m, tile_n), jnp.float32) for _ in range(num_w)])
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM(schedule.shape, jnp.int32),
+        plgpu.SMEM((tile_m, tile_n), out_dtype),
+        scale_allocs,
+        plgpu.Barrier(num_arrivals=1),  # the schedule copy
+        plgpu.Barrier(num_arrivals=1 + num_w) if scaled else None,  # a tile's scale copies
+        *tensor_core_allocs,
+    )
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
+      grid=(common.num_sms(),),
+      grid_names=("sm",),
+  )
+  args = (schedule, x, *weights) + ((x_scale, *w_scales) if scaled else ())
+  return kernel(*args)

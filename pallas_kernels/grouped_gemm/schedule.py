@@ -1,0 +1,82 @@
+"""The device-side tile schedule of the grouped GEMM (plain jnp, computed before the kernel).
+
+Rows are cut into aligned blocks of `tile_m` rows. A "tile" is one (group, block) pair whose rows
+overlap: a block that straddles a group boundary is visited once per group, and each visit stores
+only its own group's rows. Rows past sum(group_sizes) form one extra pseudo-group (-1) whose tiles
+store zeros, so every output row is written exactly once and the output needs no memset.
+
+The number of tiles is bounded statically: each non-empty group adds at most one tile beyond the
+blocks it covers, so tiles <= cdiv(A, tile_m) + min(E, A) (E real groups, the zero tail counted
+within the + min(E, A): with E >= A at most A groups are non-empty). Nothing here loops over
+experts in Python; cost is O(tiles * log E) on device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Rows of the schedule array.
+GROUP, BLOCK, ROW_LO, ROW_HI = range(4)
+ZERO_GROUP = -1  # the tail pseudo-group: rows past sum(group_sizes), stored as zeros
+
+
+def max_tiles(num_rows: int, num_groups: int, tile_m: int) -> int:
+  return -(-num_rows // tile_m) + min(num_groups, num_rows)
+
+
+def padded_tiles(num_rows: int, num_groups: int, tile_m: int) -> int:
+  # A multiple of 4 int32s: the schedule's rows are copied to SMEM by TMA (16-byte granules).
+  return -(-max_tiles(num_rows, num_groups, tile_m) // 4) * 4
+
+
+def tile_schedule(group_sizes: jax.Array, num_rows: int, tile_m: int) -> jax.Array:
+  """int32 [4, padded_tiles]: per tile its group (-1: zero tail), its row block, and the half-open
+  row range [lo, hi) within the block that it owns. Unused tiles have lo == hi (skipped)."""
+  num_groups = group_sizes.shape[0]
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  # Groups are clipped to the A rows (sum(group_sizes) > A is the caller's bug; never read past A).
+  ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  # The zero tail [sum, A) as group number E; it is renamed ZERO_GROUP below.
+  starts = jnp.concatenate([starts, ends[-1:]])
+  ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
+  nonempty = ends > starts
+  first_block = starts // tile_m
+  last_block = (ends - 1) // tile_m
+  tiles_per_group = jnp.where(nonempty, last_block - first_block + 1, 0)
+  tile_end = jnp.cumsum(tiles_per_group)
+
+  total = padded_tiles(num_rows, num_groups, tile_m)
+  t = jnp.arange(total, dtype=jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), num_groups).astype(jnp.int32)
+  block = first_block[group] + t - (tile_end[group] - tiles_per_group[group])
+  block_row = block * tile_m
+  lo = jnp.maximum(starts[group], block_row) - block_row
+  hi = jnp.minimum(ends[group], block_row + tile_m) - block_row
+  used = t < tile_end[-1]
+  group = jnp.where(group == num_groups, ZERO_GROUP, group)
+  block = jnp.where(used, block, 0)
+  lo = jnp.where(used, lo, 0)
+  hi = jnp.where(used, hi, 0)
+  return jnp.stack([group, block, lo, hi]).astype(jnp.int32)
+
+
+# TMA boxes hold at most 256 elements per dimension: the kernel copies the schedule flattened into
+# rows of at most this many int32s.
+PACK_WIDTH = 256
+
+
+def pack(schedule: jax.Array) -> jax.Array:
+  """[4, T] -> [R, W] (row-major flat, zero padded): field f of tile t at flat index f * T + t."""
+  flat = schedule.reshape(-1)
+  width = min(PACK_WIDTH, flat.shape[0])
+  rows = -(-flat.shape[0] // width)
+  return jnp.pad(flat, (0, rows * width - flat.shape[0])).reshape(rows, width)
+
+
+def read_packed(packed_ref, num_tiles: int, field: int, tile):
+  """Field `field` of tile `tile` (traced) from the packed schedule in SMEM."""
+  flat = field * num_tiles + tile
+  width = packed_ref.shape[1]
+  return packed_ref[flat // width, flat % width]

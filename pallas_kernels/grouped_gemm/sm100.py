@@ -1,0 +1,25 @@
+"""Blackwell (sm_100) grouped GEMM: the shared persistent kernel (kernel.py) with tcgen05 MMAs into
+TMEM accumulators: 128-row tiles (the tcgen05 M of one CTA), 128-column N tiles, the epilogue read
+out of TMEM in 64-column chunks (a full 128x128 f32 tile, twice for swiglu, would not fit in
+registers)."""
+
+from __future__ import annotations
+
+from pallas_kernels.grouped_gemm import kernel
+
+
+def config(n: int, num_weights: int = 1) -> kernel.Config:
+  # SMEM: a stage is 16 KiB of x plus 16 KiB per weight (128x128 bytes of FP8); swiglu's two
+  # weights get 3 stages so that stages plus a 64 KiB f32 output tile stay under 227 KiB.
+  return kernel.Config(tile_m=128, tile_n=128 if n % 128 == 0 else 64,
+                       max_concurrent_steps=4 if num_weights == 1 else 3, epilogue_n=64)
+
+
+def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype):
+  return kernel.grouped_kernel(x, (w,), group_sizes, x_scale, (w_scale,), out_dtype,
+                               lambda acc: acc, config(w.shape[1]), "sm100")
+
+
+def grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale, gate_scale, up_scale, out_dtype):
+  return kernel.grouped_kernel(x, (w_gate, w_up), group_sizes, x_scale, (gate_scale, up_scale),
+                               out_dtype, kernel.silu_times, config(w_gate.shape[1], 2), "sm100")

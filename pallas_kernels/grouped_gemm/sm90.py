@@ -1,0 +1,21 @@
+"""Hopper (sm_90) grouped GEMM: the shared persistent kernel (kernel.py) with wgmma and register
+accumulators: one warpgroup, 64-row tiles (wgmma M), 128-column N tiles."""
+
+from __future__ import annotations
+
+from pallas_kernels.grouped_gemm import kernel
+
+
+def config(n: int) -> kernel.Config:
+  return kernel.Config(tile_m=64, tile_n=128 if n % 128 == 0 else 64, max_concurrent_steps=4)
+
+
+def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype):
+  return kernel.grouped_kernel(x, (w,), group_sizes, x_scale, (w_scale,), out_dtype,
+                               lambda acc: acc, config(w.shape[1]), "sm90")
+
+
+def grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale, gate_scale, up_scale, out_dtype):
+  """Two accumulators share each x tile; only silu(gate) * up leaves the SM."""
+  return kernel.grouped_kernel(x, (w_gate, w_up), group_sizes, x_scale, (gate_scale, up_scale),
+                               out_dtype, kernel.silu_times, config(w_gate.shape[1]), "sm90")
