@@ -131,6 +131,25 @@ def test_many_experts_few_rows(arch="sm90"):
   assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_bf16_weights_stored_k_by_n(arch):
+  # maverick.moe's (E, K, N) layout, read as stored: the B tile is N-major (bf16 only).
+  group_sizes = [0, 33, 20]
+  x, w, gs, _ = make_inputs(8, 60, 128, 128, group_sizes, jnp.bfloat16)
+  w_ekn = jnp.swapaxes(w, 1, 2)
+  with common.interpret(arch=arch):
+    out = grouped_matmul(x, w_ekn, gs, w_layout="ekn", out_dtype=jnp.float32,
+                         implementation="pallas")
+    fused = grouped_swiglu(x, w_ekn, w_ekn[::-1], gs, w_layout="ekn", out_dtype=jnp.float32,
+                           implementation="pallas")
+  assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes), jnp.float32)
+  assert_rows_close(fused, numpy_swiglu(x, w, w[::-1], group_sizes), jnp.float32, f32_tol=1e-5)
+  with pytest.raises(common.KernelInputError, match="K-major"):
+    with common.interpret():
+      grouped_matmul(x.astype(FP8), w_ekn.astype(FP8), gs, x_scale=jnp.ones(60),
+                     w_scale=jnp.ones((3, 128)), w_layout="ekn", implementation="pallas")
+
+
 def numpy_swiglu(x, w_gate, w_up, group_sizes, x_scale=None, gate_scale=None, up_scale=None):
   gate = numpy_grouped_matmul(x, w_gate, group_sizes, x_scale, gate_scale)
   up = numpy_grouped_matmul(x, w_up, group_sizes, x_scale, up_scale)
@@ -203,6 +222,24 @@ def test_lowers_for_gpu(arch, num_rows, k, n, dtype, out_dtype):
   else:
     fn = lambda x, w, g: grouped_matmul(x, w, g, out_dtype=out_dtype, implementation="pallas")
   text = common.lower_for_gpu(fn, *args, arch=arch)
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("num_rows", [16, 8192])
+def test_k_by_n_weights_lower_for_gpu(arch, num_rows):
+  # bf16 experts as maverick.moe stores them, (E, K, N): fused gate/up, then down.
+  num_groups, d, f = 128, 5120, 8192
+  x, g = S((num_rows, d), jnp.bfloat16), S((num_groups,), jnp.int32)
+  w_up = S((num_groups, d, f), jnp.bfloat16)
+  text = common.lower_for_gpu(
+      lambda x, w, g: grouped_swiglu(x, w, w, g, w_layout="ekn", implementation="pallas"),
+      x, w_up, g, arch=arch)
+  assert "mosaic_gpu" in text
+  h, w_down = S((num_rows, f), jnp.bfloat16), S((num_groups, f, d), jnp.bfloat16)
+  text = common.lower_for_gpu(
+      lambda h, w, g: grouped_matmul(h, w, g, w_layout="ekn", out_dtype=jnp.float32,
+                                     implementation="pallas"), h, w_down, g, arch=arch)
   assert "mosaic_gpu" in text
 
 

@@ -93,43 +93,71 @@ def _kernel_support(x, w, x_scale, w_scale) -> tuple[bool, str]:
   return True, ""
 
 
+def _k_major_view(w, w_layout):
+  """w as the (E, N, K) shape/dtype the checks speak of; w_layout "ekn" stores it (E, K, N)."""
+  common.check(w_layout in ("enk", "ekn"),
+               f"w_layout={w_layout!r}; use 'enk' (K-major, the default) or 'ekn'")
+  if w_layout == "enk" or w.ndim != 3:
+    return w
+  return jax.ShapeDtypeStruct((w.shape[0], w.shape[2], w.shape[1]), w.dtype)
+
+
+def _layout_support(w, w_layout, supported, why):
+  if supported and w_layout == "ekn" and w.dtype == FP8:
+    return False, ("FP8 tensor cores take only K-major weights: store FP8 experts as (E, N, K) "
+                   "and pass w_layout='enk'")
+  return supported, why
+
+
+def _as_enk(w, w_layout):
+  return jnp.swapaxes(w, 1, 2) if w_layout == "ekn" else w
+
+
 def _arch_module():
   return {"sm90": sm90, "sm100": sm100}[common.target_arch()]
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                    x_scale: jax.Array | None = None, w_scale: jax.Array | None = None,
-                   out_dtype=jnp.bfloat16, implementation: str | None = None) -> jax.Array:
-  """[A, N] = per-group x @ w[g]^T, scaled by x_scale[a] * w_scale[g, n]; see the module doc."""
-  _validate(x, w, group_sizes, x_scale, w_scale, out_dtype)
-  supported, why = _kernel_support(x, w, x_scale, w_scale)
+                   out_dtype=jnp.bfloat16, w_layout: str = "enk",
+                   implementation: str | None = None) -> jax.Array:
+  """[A, N] = per-group x @ w[g]^T, scaled by x_scale[a] * w_scale[g, n]; see the module doc.
+  w_layout="ekn": bf16 w stored (E, K, N) (computing x @ w[g]), read as stored by the kernel."""
+  view = _k_major_view(w, w_layout)
+  _validate(x, view, group_sizes, x_scale, w_scale, out_dtype)
+  supported, why = _layout_support(w, w_layout, *_kernel_support(x, view, x_scale, w_scale))
   impl = common.resolve(implementation, supported=supported, why=why)
   if impl == "xla" or x.shape[0] == 0:  # no rows: nothing for a kernel to schedule
-    return reference.grouped_matmul(x, w, group_sizes, x_scale=x_scale, w_scale=w_scale,
-                                    out_dtype=out_dtype)
+    return reference.grouped_matmul(x, _as_enk(w, w_layout), group_sizes, x_scale=x_scale,
+                                    w_scale=w_scale, out_dtype=out_dtype)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  return _arch_module().grouped_matmul(x, w, group_sizes.astype(jnp.int32), f32(x_scale), f32(w_scale),
-                             jnp.dtype(out_dtype))
+  return _arch_module().grouped_matmul(x, w, group_sizes.astype(jnp.int32), f32(x_scale),
+                                       f32(w_scale), jnp.dtype(out_dtype),
+                                       w_kn=w_layout == "ekn")
 
 
 def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array, *,
                    x_scale: jax.Array | None = None, gate_scale: jax.Array | None = None,
                    up_scale: jax.Array | None = None, out_dtype=jnp.bfloat16,
-                   implementation: str | None = None) -> jax.Array:
+                   w_layout: str = "enk", implementation: str | None = None) -> jax.Array:
   """[A, F] = silu(x @ w_gate[g]^T * scales) * (x @ w_up[g]^T * scales); see the module doc."""
-  _validate(x, w_gate, group_sizes, x_scale, gate_scale, out_dtype)
+  gate_view, up_view = _k_major_view(w_gate, w_layout), _k_major_view(w_up, w_layout)
+  _validate(x, gate_view, group_sizes, x_scale, gate_scale, out_dtype)
   common.check(w_up.shape == w_gate.shape and w_up.dtype == w_gate.dtype,
                f"w_up: {w_up.shape} {w_up.dtype} must match w_gate {w_gate.shape} "
                f"{w_gate.dtype}")
   common.check((gate_scale is None) == (up_scale is None),
                "gate_scale and up_scale: pass both (FP8 experts) or neither")
-  _validate(x, w_up, group_sizes, x_scale, up_scale, out_dtype)
-  supported, why = _kernel_support(x, w_gate, x_scale, gate_scale)
+  _validate(x, up_view, group_sizes, x_scale, up_scale, out_dtype)
+  supported, why = _layout_support(w_gate, w_layout,
+                                   *_kernel_support(x, gate_view, x_scale, gate_scale))
   impl = common.resolve(implementation, supported=supported, why=why)
   if impl == "xla" or x.shape[0] == 0:
-    return reference.grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale=x_scale,
+    return reference.grouped_swiglu(x, _as_enk(w_gate, w_layout), _as_enk(w_up, w_layout),
+                                    group_sizes, x_scale=x_scale,
                                     gate_scale=gate_scale, up_scale=up_scale,
                                     out_dtype=out_dtype)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  return _arch_module().grouped_swiglu(x, w_gate, w_up, group_sizes.astype(jnp.int32), f32(x_scale),
-                             f32(gate_scale), f32(up_scale), jnp.dtype(out_dtype))
+  return _arch_module().grouped_swiglu(x, w_gate, w_up, group_sizes.astype(jnp.int32),
+                                       f32(x_scale), f32(gate_scale), f32(up_scale),
+                                       jnp.dtype(out_dtype), w_kn=w_layout == "ekn")

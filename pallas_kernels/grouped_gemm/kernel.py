@@ -38,6 +38,10 @@ class Config:
   tile_k: int | None = None  # None: 128 bytes of K (one 128-byte swizzle row)
   max_concurrent_steps: int = 4
   epilogue_n: int | None = None  # columns per epilogue chunk (None: the whole tile)
+  # Weights stored (E, K, N) (maverick.moe's layout), 16-bit only: wgmma/tcgen05 read the B tile
+  # N-major, which FP8 MMAs do not allow. The (tile_k, tile_n) tile is swizzled along N, so
+  # tile_n * itemsize must give the same 128-byte swizzle as the x tile's K row.
+  w_kn: bool = False
 
 
 def k_alignment(dtype) -> int:
@@ -80,7 +84,8 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
   same shape), combined elementwise in the epilogue (identity, or silu(gate) * up)."""
   assert arch in ("sm90", "sm100"), arch
   num_rows, k = x.shape
-  num_groups, n, _ = weights[0].shape
+  num_groups = weights[0].shape[0]
+  n = weights[0].shape[2] if cfg.w_kn else weights[0].shape[1]
   tile_m, tile_n = cfg.tile_m, cfg.tile_n
   epilogue_n = cfg.epilogue_n or tile_n
   tile_k = cfg.tile_k or k_alignment(x.dtype)
@@ -112,8 +117,12 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
 
     def k_pipeline(step, group, block, ni):
       """Runs step(k_index, x_smem, *w_smems) over K with TMA prefetch of the next stages."""
-      w_spec = plgpu.BlockSpec((tile_n, tile_k), lambda kk: (ni, kk), transforms=transforms,
-                               delay_release=delay)
+      if cfg.w_kn:
+        w_spec = plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, ni),
+                                 transforms=_transforms(x.dtype, tile_n), delay_release=delay)
+      else:
+        w_spec = plgpu.BlockSpec((tile_n, tile_k), lambda kk: (ni, kk), transforms=transforms,
+                                 delay_release=delay)
       plgpu.emit_pipeline(
           lambda idx, x_smem, *w_smems: step(idx[0], x_smem, *w_smems),
           grid=(k_steps,),
@@ -128,7 +137,7 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
       def acc_scope(*acc_refs):
         def step(kk, x_smem, *w_smems):
           for acc_ref, w_smem in zip(acc_refs, w_smems):
-            plgpu.wgmma(acc_ref, x_smem, w_smem.T)  # B K-major: FP8 wgmma needs it
+            plgpu.wgmma(acc_ref, x_smem, w_smem if cfg.w_kn else w_smem.T)
           plgpu.wgmma_wait(delay * num_w)  # each wgmma is one group: the previous step's done
         k_pipeline(step, group, block, ni)
         return tuple(acc_ref[...] for acc_ref in acc_refs)
@@ -140,7 +149,8 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
       """sm_100: f32 accumulators in TMEM; returns a chunk reader (TMEM -> registers)."""
       def step(kk, x_smem, *w_smems):
         for acc_tmem, w_smem in zip(acc_tmems, w_smems):
-          plgpu.tcgen05_mma(acc_tmem, x_smem, w_smem.T, accumulate=kk > 0)
+          plgpu.tcgen05_mma(acc_tmem, x_smem, w_smem if cfg.w_kn else w_smem.T,
+                            accumulate=kk > 0)
         plgpu.tcgen05_commit_arrive(mma_bars.at[kk % 2])  # fires when this step's MMAs finish
         if delay:
           @pl.when(kk > 0)

@@ -5,6 +5,8 @@ registers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pallas_kernels.grouped_gemm import kernel
 
 
@@ -15,11 +17,19 @@ def config(n: int, num_weights: int = 1) -> kernel.Config:
                        max_concurrent_steps=4 if num_weights == 1 else 3, epilogue_n=64)
 
 
-def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype):
+def _config(n, num_weights, w_kn):
+  return dataclasses.replace(config(n, num_weights), w_kn=w_kn)
+
+
+def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype, w_kn=False):
+  cfg = _config(w.shape[2 if w_kn else 1], 1, w_kn)
   return kernel.grouped_kernel(x, (w,), group_sizes, x_scale, (w_scale,), out_dtype,
-                               lambda acc: acc, config(w.shape[1]), "sm100")
+                               lambda acc: acc, cfg, "sm100")
 
 
-def grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale, gate_scale, up_scale, out_dtype):
+def grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale, gate_scale, up_scale, out_dtype,
+                   w_kn=False):
+  """Two accumulators share each x tile; only silu(gate) * up leaves the SM."""
+  cfg = _config(w_gate.shape[2 if w_kn else 1], 2, w_kn)
   return kernel.grouped_kernel(x, (w_gate, w_up), group_sizes, x_scale, (gate_scale, up_scale),
-                               out_dtype, kernel.silu_times, config(w_gate.shape[1], 2), "sm100")
+                               out_dtype, kernel.silu_times, cfg, "sm100")
