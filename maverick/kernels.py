@@ -89,3 +89,43 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   y = gemm_lib.gemm(x2, w2, x_scale, w_scale, w_layout=layout, out_dtype=out_dtype or x.dtype,
                     implementation="pallas")
   return y.reshape(*batch, *w_out)
+
+
+def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str | None):
+  """Routed experts (unquantized) through the grouped GEMM kernels, or None: assignments sorted by
+  expert, gate/up + SwiGLU fused in one kernel, down in another, the weights read in the model's
+  (E, in, out) layout. Decode too: empty groups cost nothing, so there is no gather path."""
+  if kernels == "xla":
+    return None
+  from pallas_kernels import grouped_gemm
+  N, D = x_nd.shape
+  k = top_idx.shape[-1]
+  E, _, F = gate_edf.shape
+  rows = jax.ShapeDtypeStruct((N * k, D), x_nd.dtype)
+  hidden = jax.ShapeDtypeStruct((N * k, F), x_nd.dtype)
+  ok = (gate_edf.dtype == up_edf.dtype == down_efd.dtype == x_nd.dtype
+        and grouped_gemm.pallas_support(rows, gate_edf, w_layout="ekn")[0]
+        and grouped_gemm.pallas_support(hidden, down_efd, w_layout="ekn")[0])
+  if not use_pallas(kernels, ok):
+    return None
+  flat_expert = top_idx.reshape(-1)
+  order = jnp.argsort(flat_expert, stable=True)
+  token = order // k
+  x_sorted = x_nd[token] * scores.reshape(-1)[order][:, None]  # the score scales the INPUT
+  group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
+  h = grouped_gemm.grouped_swiglu(x_sorted, gate_edf, up_edf, group_sizes, w_layout="ekn",
+                                  out_dtype=x_nd.dtype, implementation="pallas")
+  y = grouped_gemm.grouped_matmul(h, down_efd, group_sizes, w_layout="ekn",
+                                  out_dtype=x_nd.dtype, implementation="pallas")
+  return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
+
+
+def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None):
+  """Causal (chunked) self-attention of a prompt at positions 0..T-1, or None."""
+  if kernels == "xla":
+    return None
+  from pallas_kernels import prefill_attention as prefill
+  ok = q.dtype == k.dtype == v.dtype == jnp.bfloat16 and q.shape[3] in prefill.api.SUPPORTED_HEAD_DIMS
+  if not use_pallas(kernels, ok):
+    return None
+  return prefill.prefill_attention(q, k, v, chunk_size=chunk_size, implementation="pallas")

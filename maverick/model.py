@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
 from maverick import moe
 from maverick import quant as quant_lib
@@ -276,6 +277,10 @@ class Attention(nnx.Module):
     if tree is not None:
       raise ValueError("a tree mask needs a KV cache to attend to")
     T = x_btd.shape[1]
+    if positions_from_zero:
+      out = kernels_lib.prefill_attention(q, k, v, self.chunk_size, self.kernels)
+      if out is not None:
+        return self.output(out), new_cache
     if positions_from_zero and self.chunk_size is not None and T > self.chunk_size:
       out = chunked_self_attention(q, k, v, self.chunk_size)
     else:
@@ -366,7 +371,8 @@ class MoE(nnx.Module):
     if self.record_balance_loss:
       self.sow(nnx.Intermediate, "balance_loss", moe.load_balancing_loss(logits, top_idx))
     routed = moe.moe_experts(x, top_idx, scores, self.gate[...], self.up[...], self.down[...],
-                             impl=self.impl, scales=scales, quant=self.quant)
+                             impl=self.impl, scales=scales, quant=self.quant,
+                             kernels=self.kernels)
     return (self.shared(x) + routed).reshape(B, T, D)
 
 

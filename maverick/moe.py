@@ -109,7 +109,7 @@ def _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd):
 
 def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf: jax.Array,
                 up_edf: jax.Array, down_efd: jax.Array, *, impl: str = "tiles", scales=None,
-                quant=None) -> jax.Array:
+                quant=None, kernels: str | None = "xla") -> jax.Array:
   """Sum over the k chosen experts of Expert_e(score * x) (the score scales the expert INPUT).
 
   scales: (gate [E,F], up [E,F], down [E,D]) per-expert per-output-channel scales of FP8 expert
@@ -117,11 +117,19 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   quantized per token.
 
   With at most one assignment per expert on average (decode and verification steps) the chosen
-  weights are gathered; otherwise tokens are sorted by expert for a grouped matmul (`impl`)."""
+  weights are gathered; otherwise tokens are sorted by expert for a grouped matmul (`impl`).
+  `kernels` (see maverick.kernels): the Pallas grouped GEMM for unquantized experts; FP8 experts
+  stay on XLA until they are stored K-major, as FP8 tensor cores need."""
   N, D = x_nd.shape
   k = top_idx.shape[-1]
   E = gate_edf.shape[0]
-  if scales is not None and any(s is not None for s in scales):
+  quantized = scales is not None and any(s is not None for s in scales)
+  if kernels != "xla" and not quantized:
+    from maverick import kernels as kernels_lib  # local: it imports pallas_kernels lazily too
+    y = kernels_lib.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels)
+    if y is not None:
+      return y
+  if quantized:
     return _fp8_experts(x_nd, top_idx, scores, (gate_edf, up_edf, down_efd), scales, quant,
                         impl=impl)
   if impl == "tiles" and N * k <= E:

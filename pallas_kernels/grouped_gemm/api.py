@@ -113,6 +113,13 @@ def _as_enk(w, w_layout):
   return jnp.swapaxes(w, 1, 2) if w_layout == "ekn" else w
 
 
+def pallas_support(x, w, *, x_scale=None, w_scale=None, w_layout: str = "enk"
+                   ) -> tuple[bool, str]:
+  """(supported, why not) for the Pallas kernel on these inputs (arrays or ShapeDtypeStructs)."""
+  view = _k_major_view(w, w_layout)
+  return _layout_support(w, w_layout, *_kernel_support(x, view, x_scale, w_scale))
+
+
 def _arch_module():
   return {"sm90": sm90, "sm100": sm100}[common.target_arch()]
 
