@@ -162,6 +162,7 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
         p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_wait(v_bar.at[slot])  # (the v scales travel with V)
         if fp8:
           v_scale_row = plgpu.load(vs_s.at[slot], layout=layout.reduce(0))
           p = p * lax.broadcast_in_dim(v_scale_row, shape, [1])
@@ -170,7 +171,6 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
         p_s[...] = p.astype(jnp.bfloat16)
         plgpu.commit_smem()
 
-        plgpu.barrier_wait(v_bar.at[slot])
         if fp8:
           vb_s[...] = _fp8_to_bf16(v_s[slot])
           plgpu.commit_smem()
