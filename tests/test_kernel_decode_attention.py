@@ -117,15 +117,17 @@ CASES = [
     ("t1_g1_len1", 0, 2, 1, 2, 2, 64, 192, [[0], [129]], None, 1, False),
     # lengths 64 and 65: exactly one block, and one token into the next; three uneven splits
     ("t1_g4_blockedge_splits3", 1, 2, 1, 8, 2, 64, 192, [[63], [64]], None, 3, False),
-    # EAGLE-3 verify: 4 consecutive queries, GQA 5 (20 packed rows)
-    ("t4_g5_splits2", 2, 2, 4, 5, 1, 64, 256, [[125, 126, 127, 128], [3, 4, 5, 6]], None, 2,
+    # EAGLE-3 verify: 4 consecutive queries, GQA 5 (20 packed rows). Row 1: a query at -1 sees no
+    # slot (the model never makes one; it must return 0), then a cache holding only new tokens.
+    ("t4_g5_splits2", 2, 2, 4, 5, 1, 64, 192, [[125, 126, 127, 128], [-1, 0, 1, 2]], None, 2,
      False),
     # chunk boundary at 64: queries 64, 65 see only slots 64.. (the new chunk)
     ("t4_g4_chunked", 3, 2, 4, 4, 1, 64, 128, [[62, 63, 64, 65], [126, 127, 128, 129]], 64, 2,
      False),
     ("t1_g1_fp8", 4, 2, 1, 2, 2, 64, 128, [[0], [100]], None, 1, True),
     ("t4_g4_fp8_chunked", 5, 1, 4, 8, 2, 64, 192, [[126, 127, 128, 129]], 128, 2, True),
-    ("t1_g5_dh128", 6, 1, 1, 5, 1, 128, 128, [[77]], None, 2, False),
+    # num_splits=None: auto (interpret mode emulates 2 SMs)
+    ("t1_g5_dh128_autosplit", 6, 1, 1, 5, 1, 128, 128, [[77]], None, None, False),
 ]
 
 
@@ -133,7 +135,9 @@ CASES = [
 def test_kernel_matches_float64(case):
   _, seed, B, T, H, K, Dh, S, q_pos, chunk, splits, fp8 = case
   q, k, v, scales = make_inputs(seed, B, T, H, K, Dh, S, fp8)
-  run_case(q, k, v, np.array(q_pos), chunk=chunk, num_splits=splits, **scales)
+  q_pos = np.array(q_pos)
+  out = run_case(q, k, v, q_pos, chunk=chunk, num_splits=splits, **scales)
+  assert np.all(out[q_pos < 0] == 0)
 
 
 @pytest.mark.parametrize("fp8,chunk", [(False, None), (True, 64)], ids=["bf16", "fp8_chunked"])
@@ -150,24 +154,6 @@ def test_tree_verify(fp8, chunk):
   visible = np.stack(vis)
   run_case(q, k, v, positions, chunk=chunk, tree=(start, positions, visible), num_splits=2,
            **scales)
-
-
-def test_empty_rows_are_zero():
-  """A query that sees no slot (position -1 here; the model never makes one) returns 0."""
-  q, k, v, _ = make_inputs(30, 1, 2, 2, 1, 64, 64)
-  out = run_case(q, k, v, np.array([[-1, 5]]), num_splits=1)
-  assert np.all(out[0, 0] == 0)
-
-
-def test_auto_splits_and_default_path():
-  """num_splits=None and implementation=None pick the kernel inside interpret()."""
-  q, k, v, _ = make_inputs(31, 1, 1, 4, 1, 64, 128)
-  q_pos = jnp.array([[90]], jnp.int32)
-  ref = np_attention(q, k, v, np_visibility(np.asarray(q_pos), 128, None))
-  with common.interpret():
-    out = decode_attention(q, k, v, q_pos)
-    out = np.asarray(jax.block_until_ready(out).astype(jnp.float32))
-  np.testing.assert_allclose(out, ref, atol=ATOL, rtol=RTOL)
 
 
 def test_xla_reference_matches_model():
@@ -212,17 +198,21 @@ def test_lowers_for_sm90_at_maverick_shapes(S, fp8):
   assert "mosaic_gpu" in text
 
 
-def test_lowers_tree_verify_for_sm90():
-  B, T, R, H, K, Dh, S = 8, 49, 49, 40, 8, 128, 8192
+@pytest.mark.parametrize("Dh,kv", [(128, jnp.bfloat16), (64, FP8)], ids=["dh128_bf16", "dh64_fp8"])
+def test_lowers_tree_verify_for_sm90(Dh, kv):
+  """Tree verify (T = R = 49: 4 query tiles of 64 packed rows, 2 bit words), and the Dh=64 fp8
+  tiles (64-byte swizzle) the interpret tests use."""
+  B, T, R, H, K, S = 8, 49, 49, 40, 8, 8192
   sd = jax.ShapeDtypeStruct
-  args = [sd((B, T, H, Dh), jnp.bfloat16), sd((B, S, K, Dh), jnp.bfloat16),
-          sd((B, S, K, Dh), jnp.bfloat16), sd((B, T), jnp.int32), sd((B,), jnp.int32),
-          sd((B, R), jnp.int32), sd((B, T, R), jnp.bool_)]
+  fp8 = kv == FP8
+  args = [sd((B, T, H, Dh), jnp.bfloat16), sd((B, S, K, Dh), kv), sd((B, S, K, Dh), kv),
+          sd((B, T), jnp.int32), sd((B,), jnp.int32), sd((B, R), jnp.int32),
+          sd((B, T, R), jnp.bool_)] + [sd((B, S, K), jnp.float32)] * (2 * fp8)
 
-  def f(q, k, v, pos, start, positions, visible):
+  def f(q, k, v, pos, start, positions, visible, *scales):
     return decode_attention(q, k, v, pos, chunk_size=8192, tree_start=start,
                             tree_positions=positions, tree_visible=visible,
-                            implementation="pallas")
+                            implementation="pallas", **dict(zip(("k_scale", "v_scale"), scales)))
   assert "mosaic_gpu" in common.lower_for_gpu(f, *args, arch="sm90")
 
 
@@ -254,6 +244,16 @@ def test_bad_input_raises(i):
   what, kwargs = _bad_inputs()[i]
   with common.interpret(), pytest.raises(KernelInputError, match=what):
     decode_attention(**kwargs, implementation="pallas")
+
+
+def test_auto_implementation_picks_kernel_in_interpret_mode(monkeypatch):
+  from pallas_kernels.decode_attention import api
+  calls = []
+  monkeypatch.setattr(api, "_pallas", lambda *a: calls.append(a) or a[0])
+  q, k, v, _ = make_inputs(52, 1, 1, 2, 1, 64, 64)
+  with common.interpret():
+    decode_attention(q, k, v, jnp.array([[10]], jnp.int32))
+  assert len(calls) == 1
 
 
 def test_unsupported_head_dim_falls_back_to_xla_on_auto():

@@ -86,8 +86,12 @@ def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
   return max(1, min(common.num_sms() // max(work_items, 1), num_kv_blocks, 64))
 
 
+# One jit over the packing, the kernel and the combine (eager jnp ops would each compile). The
+# interpret flag and arch are static so interpreted and GPU executables never share a cache entry.
+@functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
 def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
-            tree_positions, tree_visible, num_splits, sm_scale):
+            tree_positions, tree_visible, num_splits, sm_scale, mode):
+  del mode
   from pallas_kernels.decode_attention import sm90
   B, T, H, Dh = q.shape
   S, K = k_cache.shape[1], k_cache.shape[2]
@@ -201,5 +205,6 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
         q, k_cache, v_cache, q_positions, chunk_size=chunk_size, k_scale=k_scale,
         v_scale=v_scale, tree_start=tree_start, tree_positions=tree_positions,
         tree_visible=tree_visible, sm_scale=sm_scale)
+  mode = (common.interpreting(), common.target_arch())
   return _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
-                 tree_positions, tree_visible, num_splits, sm_scale)
+                 tree_positions, tree_visible, num_splits, sm_scale, mode)

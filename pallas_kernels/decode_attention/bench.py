@@ -41,7 +41,7 @@ def _make(key, B, T, H, K, Dh, S, fp8):
 def benchmark_cases(toy: bool) -> list[common.BenchCase]:
   if toy:
     B, H, K, Dh = 1, 4, 1, 64
-    configs = [(1, 128, None, False), (4, 128, 64, True)]  # (T, S, chunk, fp8)
+    configs = [(4, 128, 64, True)]  # (T, S, chunk, fp8): one case, interpret mode is slow
   else:
     B, H, K, Dh = 8, 40, 8, 128
     configs = [(T, S, None, fp8) for fp8 in (False, True) for S in (8192, 131072)
