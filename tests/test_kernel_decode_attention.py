@@ -113,8 +113,9 @@ def run_case(q, k, v, q_pos, *, chunk=None, tree=None, num_splits=None, **scales
 
 # (name, seed, B, T, H, K, Dh, S, q positions, chunk, num_splits, fp8)
 CASES = [
-    # row 0 holds only the new token (length 1); row 1 straddles the second block boundary
-    ("t1_g1_len1", 0, 2, 1, 2, 2, 64, 192, [[0], [129]], None, 1, False),
+    # row 0 holds only the new token (length 1); row 1 straddles a block boundary and takes 6
+    # KV steps in one split: more than the 4 pipeline stages, so slots are refilled
+    ("t1_g1_len1_refill", 0, 2, 1, 2, 2, 64, 384, [[0], [329]], None, 1, False),
     # lengths 64 and 65: exactly one block, and one token into the next; three uneven splits
     ("t1_g4_blockedge_splits3", 1, 2, 1, 8, 2, 64, 192, [[63], [64]], None, 3, False),
     # EAGLE-3 verify: 4 consecutive queries, GQA 5 (20 packed rows). Row 1: a query at -1 sees no
@@ -125,7 +126,8 @@ CASES = [
     ("t4_g4_chunked", 3, 2, 4, 4, 1, 64, 128, [[62, 63, 64, 65], [126, 127, 128, 129]], 64, 2,
      False),
     ("t1_g1_fp8", 4, 2, 1, 2, 2, 64, 128, [[0], [100]], None, 1, True),
-    ("t4_g4_fp8_chunked", 5, 1, 4, 8, 2, 64, 192, [[126, 127, 128, 129]], 128, 2, True),
+    # fp8 across a chunk boundary at 256, 5 KV steps in one split: the k/v scale slots refill
+    ("t4_g4_fp8_chunked_refill", 5, 1, 4, 8, 2, 64, 320, [[254, 255, 256, 257]], 256, 1, True),
     # num_splits=None: auto (interpret mode emulates 2 SMs)
     ("t1_g5_dh128_autosplit", 6, 1, 1, 5, 1, 128, 128, [[77]], None, None, False),
 ]

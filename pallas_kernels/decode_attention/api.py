@@ -20,6 +20,12 @@ from pallas_kernels.decode_attention import reference
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 BLOCK_KV = 64
+# Consumer warpgroups per CTA (plus one TMA producer). The CPU interpreter runs each warpgroup as
+# a thread that blocks inside XLA callbacks; with 3 of them on a 2-core host XLA's CPU pool can
+# starve and deadlock (seen ~1 run in 7), so interpret mode runs 1 consumer: the same code path
+# with every KV step on warpgroup 0. GPU lowering is checked with 2.
+COMPUTE_WGS = 2
+INTERPRET_COMPUTE_WGS = 1
 MAX_TREE = 128  # tree visibility travels as 4 int32 bit words per query row
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -91,7 +97,6 @@ def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
 @functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
 def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
             tree_positions, tree_visible, num_splits, sm_scale, mode):
-  del mode
   from pallas_kernels.decode_attention import sm90
   B, T, H, Dh = q.shape
   S, K = k_cache.shape[1], k_cache.shape[2]
@@ -153,11 +158,11 @@ def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree
     # [B, K, S] so one TMA copy per tile reads a contiguous run of scales (~1.5% of the fp8 bytes).
     ks = jnp.transpose(k_scale, (0, 2, 1))
     vs = jnp.transpose(v_scale, (0, 2, 1))
-  stages = 4
   out, lse = sm90.split_attention(
       q_packed, k_cache, v_cache, ks, vs, pos_rows, cs_rows, tree_bits, bounds.astype(jnp.int32),
-      num_kv_heads=K, num_splits=num_splits, block_kv=BLOCK_KV, stages=stages, sm_scale=sm_scale)
-  out = combine(out, lse)  # [B*K, Mpad, Dh] f32
+      num_kv_heads=K, num_splits=num_splits, block_kv=BLOCK_KV, sm_scale=sm_scale,
+      compute_wgs=INTERPRET_COMPUTE_WGS if mode[0] else COMPUTE_WGS)
+  out = combine(out.astype(jnp.float32), lse)  # [B*K, Mpad, Dh] f32
   out = out[:, :M].reshape(B, K, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
   return out.astype(q.dtype)
 

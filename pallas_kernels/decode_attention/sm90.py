@@ -48,13 +48,31 @@ def _fp8_to_bf16(x):
   return x.astype(jnp.float32).astype(jnp.bfloat16)
 
 
+def smem_plan(Dh: int, block_kv: int, kv_itemsize: int, compute_wgs: int) -> int:
+  """Pipeline depth that keeps one CTA's SMEM under ~200 KiB (one CTA per SM), a multiple of
+  compute_wgs."""
+  per_stage = 2 * block_kv * Dh * kv_itemsize + (2 * block_kv * 4 if kv_itemsize == 1 else 0)
+  fixed = BLOCK_M * Dh * 2 + compute_wgs * (BLOCK_M * Dh * 2 + BLOCK_M * block_kv * 2)
+  if kv_itemsize == 1:
+    fixed += compute_wgs * block_kv * Dh * 2
+  stages = min(4, (200 * 1024 - fixed) // per_stage)
+  # Each slot must belong to one compute warpgroup (step i uses slot i % stages and warpgroup
+  # i % compute_wgs): a warpgroup waiting on a slot's barrier must see every phase of it.
+  return max(compute_wgs, stages - stages % compute_wgs)
+
+
 def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_start, tree_bits,
-                    bounds, *, num_kv_heads: int, num_splits: int, block_kv: int, stages: int,
-                    sm_scale: float):
+                    bounds, *, num_kv_heads: int, num_splits: int, block_kv: int,
+                    sm_scale: float, compute_wgs: int):
   """q_packed [B*K, Mpad, Dh] bf16; k/v_cache [B, S, K, Dh]; k/v_scale [B, K, S] f32 or None;
   q_pos / chunk_start [B, Mpad] int32; tree_bits [B, W, Mpad] int32 or None;
-  bounds [B, num_splits, 4] int32. Returns (out [splits, B*K, Mpad, Dh] f32 normalised per split,
-  lse [splits, B*K, Mpad] f32 in log2 units, -inf where a split saw nothing)."""
+  bounds [B, num_splits, 4] int32. Returns (out [P, B*K, Mpad, Dh] bf16 normalised per partial,
+  lse [P, B*K, Mpad] f32 in log2 units, -inf where a partial saw nothing), P = num_splits *
+  compute_wgs: each compute warpgroup keeps its own partial (the XLA combine merges them too).
+
+  Warp specialised: warpgroup `compute_wgs` is the producer (TMA only, few registers); compute
+  warpgroup w takes KV steps w, w + compute_wgs, ..., so one's softmax overlaps the other's wgmma
+  and TMA refills a slot as soon as its consumer releases it."""
   BK, Mpad, Dh = q_packed.shape
   B, S, K, _ = k_cache.shape
   num_m = Mpad // BLOCK_M
@@ -63,9 +81,13 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
   num_words = tree_bits.shape[1] if has_tree else 0
   kv_dtype = k_cache.dtype
   score_scale = sm_scale * LOG2E
+  C = compute_wgs
+  stages = smem_plan(Dh, block_kv, jnp.dtype(kv_dtype).itemsize, C)
 
   q_tr = _transforms(Dh, q_packed.dtype)
   kv_tr = _transforms(Dh, kv_dtype)
+  layout = plgpu.Layout.WGMMA
+  shape = (BLOCK_M, block_kv)
 
   def body(*refs):
     if fp8:
@@ -81,126 +103,154 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
     mt = lax.axis_index("m")
     split = lax.axis_index("split")
     bk = lax.axis_index("bk")
+    wg = lax.axis_index("wg")
     b = lax.div(bk, jnp.int32(K))
     kh = lax.rem(bk, jnp.int32(K))
     rows = pl.ds(mt * BLOCK_M, BLOCK_M)
 
-    def scoped(q_s, k_s, v_s, kb_s, vb_s, ks_s, vs_s, pos_s, cs_s, bits_s, bounds_s, o_s, lse_s,
-               p_s, meta_bar, k_bar, v_bar):
-      plgpu.copy_gmem_to_smem(q_g.at[bk, rows], q_s, meta_bar)
-      plgpu.copy_gmem_to_smem(pos_g.at[b, rows], pos_s, meta_bar)
-      plgpu.copy_gmem_to_smem(cs_g.at[b, rows], cs_s, meta_bar)
-      plgpu.copy_gmem_to_smem(bounds_g.at[b, split], bounds_s, meta_bar)
-      if has_tree:
-        plgpu.copy_gmem_to_smem(bits_g.at[b, :, rows], bits_s, meta_bar)
+    def scoped(q_s, k_s, v_s, kvb_s, ks_s, vs_s, pos_s, cs_s, bits_s, bounds_s, o_s, lse_s,
+               p_s, meta_bar, k_bar, v_bar, ks_bar, vs_bar, k_free, v_free):
+      @pl.when(wg == C)
+      def _():
+        plgpu.copy_gmem_to_smem(q_g.at[bk, rows], q_s, meta_bar)
+        plgpu.copy_gmem_to_smem(pos_g.at[b, rows], pos_s, meta_bar)
+        plgpu.copy_gmem_to_smem(cs_g.at[b, rows], cs_s, meta_bar)
+        plgpu.copy_gmem_to_smem(bounds_g.at[b, split], bounds_s, meta_bar)
+        if has_tree:
+          plgpu.copy_gmem_to_smem(bits_g.at[b, :, rows], bits_s, meta_bar)
       plgpu.barrier_wait(meta_bar)
       first_block = bounds_s[0]
       num_steps = bounds_s[1]
-      tree_start = bounds_s[2]
-      tree_end = bounds_s[3]
 
-      def issue(step, slot):
-        kv = pl.ds((first_block + step) * block_kv, block_kv)
-        plgpu.copy_gmem_to_smem(k_g.at[b, kv, kh], k_s.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_g.at[b, kv, kh], v_s.at[slot], v_bar.at[slot])
-        if fp8:
-          plgpu.copy_gmem_to_smem(ks_g.at[b, kh, kv], ks_s.at[slot], k_bar.at[slot])
-          plgpu.copy_gmem_to_smem(vs_g.at[b, kh, kv], vs_s.at[slot], v_bar.at[slot])
+      @pl.when(wg == C)
+      def _producer():
+        plgpu.set_max_registers(40, action="decrease")
 
-      for i in range(stages):
-        pl.when(i < num_steps)(lambda i=i: issue(jnp.int32(i), i))
+        def issue_k(step, slot):
+          kv = pl.ds((first_block + step) * block_kv, block_kv)
+          plgpu.copy_gmem_to_smem(k_g.at[b, kv, kh], k_s.at[slot], k_bar.at[slot])
+          if fp8:
+            plgpu.copy_gmem_to_smem(ks_g.at[b, kh, kv], ks_s.at[slot], ks_bar.at[slot])
 
-      layout = plgpu.Layout.WGMMA
-      q_pos = plgpu.load(pos_s, layout=layout.reduce(1))
-      c_start = plgpu.load(cs_s, layout=layout.reduce(1))
-      shape = (BLOCK_M, block_kv)
-      q_pos = lax.broadcast_in_dim(q_pos, shape, [0])
-      c_start = lax.broadcast_in_dim(c_start, shape, [0])
-      words = []
-      for w in range(num_words):
-        words.append(lax.broadcast_in_dim(plgpu.load(bits_s.at[w], layout=layout.reduce(1)),
-                                          shape, [0]))
-      col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+        def issue_v(step, slot):
+          kv = pl.ds((first_block + step) * block_kv, block_kv)
+          plgpu.copy_gmem_to_smem(v_g.at[b, kv, kh], v_s.at[slot], v_bar.at[slot])
+          if fp8:
+            plgpu.copy_gmem_to_smem(vs_g.at[b, kh, kv], vs_s.at[slot], vs_bar.at[slot])
 
-      def kv_step(step, carry):
-        acc, m_i, l_i = carry
-        slot = lax.rem(step, jnp.int32(stages))
-        base = (first_block + step) * block_kv
-        plgpu.barrier_wait(k_bar.at[slot])
-        if fp8:
-          kb_s[...] = _fp8_to_bf16(k_s[slot])
+        for i in range(stages):
+          @pl.when(i < num_steps)
+          def _(i=i):
+            issue_k(jnp.int32(i), i)
+            issue_v(jnp.int32(i), i)
+
+        def refill(step, carry):
+          slot = lax.rem(step, jnp.int32(stages))
+          plgpu.barrier_wait(k_free.at[slot])  # released by the consumer of step - stages
+          issue_k(step, slot)
+          plgpu.barrier_wait(v_free.at[slot])
+          issue_v(step, slot)
+          return carry
+        lax.fori_loop(jnp.int32(stages), jnp.maximum(num_steps, stages), refill, None)
+
+      @pl.when(wg < C)
+      def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        tree_start = bounds_s[2]
+        tree_end = bounds_s[3]
+        my_kvb = kvb_s.at[wg] if fp8 else None
+        my_p = p_s.at[wg]
+
+        def kv_step(j, carry):
+          acc, m_i, l_i = carry
+          step = wg + j * C
+          slot = lax.rem(step, jnp.int32(stages))
+          plgpu.barrier_wait(k_bar.at[slot])
+          if fp8:
+            my_kvb[...] = _fp8_to_bf16(k_s[slot])
+            plgpu.commit_smem()
+            k_op = my_kvb
+          else:
+            k_op = k_s.at[slot]
+
+          def qk_scope(acc_ref):
+            plgpu.wgmma(acc_ref, q_s, k_op.T)
+            return acc_ref[...]
+          s = pl.run_scoped(qk_scope, plgpu.ACC(shape, jnp.float32))
+          if fp8:
+            plgpu.barrier_wait(ks_bar.at[slot])
+            k_scale_row = plgpu.load(ks_s.at[slot], layout=layout.reduce(0))
+            s = s * lax.broadcast_in_dim(k_scale_row * score_scale, shape, [1])
+          else:
+            s = s * score_scale
+
+          # Per-row vectors are re-read from SMEM each step rather than held as [64, block_kv]
+          # broadcasts across the loop (registers).
+          row = lambda ref: lax.broadcast_in_dim(plgpu.load(ref, layout=layout.reduce(1)),
+                                                 shape, [0])
+          slot_ids = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+          slot_ids = slot_ids + (first_block + step) * block_kv
+          visible = ((slot_ids <= row(pos_s)) & (slot_ids >= row(cs_s))
+                     & (slot_ids < tree_start))
+          if has_tree:
+            rel = slot_ids - tree_start
+            in_tree = (rel >= 0) & (slot_ids < tree_end)
+            bit = jnp.zeros(shape, jnp.int32)
+            for w in range(num_words):
+              shifted = lax.shift_right_logical(row(bits_s.at[w]), jnp.clip(rel - 32 * w, 0, 31))
+              bit = jnp.where((rel >= 32 * w) & (rel < 32 * (w + 1)), shifted & 1, bit)
+            visible = visible | (in_tree & (bit != 0))
+          s = jnp.where(visible, s, -jnp.inf)
+
+          m_new = jnp.maximum(m_i, s.max(axis=1))
+          # A row that has seen nothing yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+          m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m_i - m_safe)
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, shape, [0]))
+          l_i = l_i * alpha + p.sum(axis=1)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          plgpu.barrier_wait(v_bar.at[slot])
+          if fp8:
+            plgpu.barrier_wait(vs_bar.at[slot])
+            v_scale_row = plgpu.load(vs_s.at[slot], layout=layout.reduce(0))
+            p = p * lax.broadcast_in_dim(v_scale_row, shape, [1])
+            my_kvb[...] = _fp8_to_bf16(v_s[slot])  # K's wgmma is done with the buffer
+            v_op = my_kvb
+          else:
+            v_op = v_s.at[slot]
+          # P goes through SMEM (8 KiB a step, free next to the HBM stream): the interpreter's
+          # wgmma takes SMEM operands only.
+          my_p[...] = p.astype(jnp.bfloat16)
           plgpu.commit_smem()
-          k_op = kb_s
-        else:
-          k_op = k_s.at[slot]
 
-        def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, q_s, k_op.T)
-          return acc_ref[...]
-        s = pl.run_scoped(qk_scope, plgpu.ACC(shape, jnp.float32))
-        if fp8:
-          k_scale_row = plgpu.load(ks_s.at[slot], layout=layout.reduce(0))
-          s = s * lax.broadcast_in_dim(k_scale_row * score_scale, shape, [1])
-        else:
-          s = s * score_scale
-        slot_ids = col + base
-        visible = (slot_ids <= q_pos) & (slot_ids >= c_start) & (slot_ids < tree_start)
-        if has_tree:
-          rel = slot_ids - tree_start
-          in_tree = (rel >= 0) & (slot_ids < tree_end)
-          bit = jnp.zeros(shape, jnp.int32)
-          for w, word in enumerate(words):
-            shifted = lax.shift_right_logical(word, jnp.clip(rel - 32 * w, 0, 31))
-            bit = jnp.where((rel >= 32 * w) & (rel < 32 * (w + 1)), shifted & 1, bit)
-          visible = visible | (in_tree & (bit != 0))
-        s = jnp.where(visible, s, -jnp.inf)
+          # A fresh accumulator scope (GPU interpret mode has no run_state): reading it back
+          # waits for the wgmma, so the slot can be released afterwards.
+          def pv_scope(pv_ref):
+            plgpu.wgmma(pv_ref, my_p, v_op)
+            return pv_ref[...]
+          acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, Dh), jnp.float32))
+          # K's slot is released only now, after the P store that depends on the k scale load:
+          # the interpreter orders SMEM loads by data only, so an earlier arrive could overtake
+          # the load (on the GPU either place is fine; the slot is back a step's softmax later).
+          plgpu.barrier_arrive(k_free.at[slot])
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc, m_new, l_i
 
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_safe)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, shape, [0]))
-        l_i = l_i * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        plgpu.barrier_wait(v_bar.at[slot])  # (the v scales travel with V)
-        if fp8:
-          v_scale_row = plgpu.load(vs_s.at[slot], layout=layout.reduce(0))
-          p = p * lax.broadcast_in_dim(v_scale_row, shape, [1])
-        # P goes through SMEM (8 KiB a step, free next to the HBM stream): the interpreter's wgmma
-        # takes SMEM operands only.
-        p_s[...] = p.astype(jnp.bfloat16)
+        acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, Dh), jnp.float32), layout)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), layout.reduce(1))
+        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), layout.reduce(1))
+        my_steps = lax.div(jnp.maximum(num_steps - wg + (C - 1), 0), jnp.int32(C))
+        acc, m_i, l_i = lax.fori_loop(0, my_steps, kv_step, (acc, m_i, l_i))
+
+        seen = l_i > 0
+        inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+        o_s[wg] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_s.dtype)
+        lse_s[wg] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
         plgpu.commit_smem()
-
-        if fp8:
-          vb_s[...] = _fp8_to_bf16(v_s[slot])
-          plgpu.commit_smem()
-          v_op = vb_s
-        else:
-          v_op = v_s.at[slot]
-
-        # A fresh accumulator scope (GPU interpret mode has no run_state): reading it back waits
-        # for the wgmma, so the slot is free for the next TMA afterwards.
-        def pv_scope(pv_ref):
-          plgpu.wgmma(pv_ref, p_s, v_op)
-          return pv_ref[...]
-        acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, Dh), jnp.float32))
-        nxt = step + stages
-        pl.when(nxt < num_steps)(lambda: issue(nxt, slot))
-        return acc, m_new, l_i
-
-      acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, Dh), jnp.float32), layout)
-      m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), layout.reduce(1))
-      l_i = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), layout.reduce(1))
-      acc, m_i, l_i = lax.fori_loop(0, num_steps, kv_step, (acc, m_i, l_i))
-
-      seen = l_i > 0
-      inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
-      o_s[...] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-      lse_s[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_s, o_g.at[split, bk, rows])
-      plgpu.copy_smem_to_gmem(lse_s, lse_g.at[split, bk, rows])
-      plgpu.wait_smem_to_gmem(0)
+        part = split * C + wg
+        plgpu.copy_smem_to_gmem(o_s.at[wg], o_g.at[part, bk, rows])
+        plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_g.at[part, bk, rows])
+        plgpu.wait_smem_to_gmem(0)
 
     f32 = jnp.float32
     pl.run_scoped(
@@ -208,24 +258,33 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
         plgpu.SMEM((BLOCK_M, Dh), q_packed.dtype, transforms=q_tr),
         plgpu.SMEM((stages, block_kv, Dh), kv_dtype, transforms=kv_tr),
         plgpu.SMEM((stages, block_kv, Dh), kv_dtype, transforms=kv_tr),
-        plgpu.SMEM((block_kv, Dh), jnp.bfloat16, transforms=q_tr) if fp8 else None,
-        plgpu.SMEM((block_kv, Dh), jnp.bfloat16, transforms=q_tr) if fp8 else None,
+        plgpu.SMEM((C, block_kv, Dh), jnp.bfloat16, transforms=q_tr) if fp8 else None,
         plgpu.SMEM((stages, block_kv), f32) if fp8 else None,
         plgpu.SMEM((stages, block_kv), f32) if fp8 else None,
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         plgpu.SMEM((num_words, BLOCK_M), jnp.int32) if has_tree else None,
         plgpu.SMEM((NUM_BOUNDS,), jnp.int32),
-        plgpu.SMEM((BLOCK_M, Dh), f32),
-        plgpu.SMEM((BLOCK_M,), f32),
-        plgpu.SMEM((BLOCK_M, block_kv), jnp.bfloat16, transforms=_transforms(block_kv, jnp.bfloat16)),
+        # bf16 partials (one more bf16 rounding before the f32 combine) leave SMEM for 4 stages.
+        plgpu.SMEM((C, BLOCK_M, Dh), jnp.bfloat16),
+        plgpu.SMEM((C, BLOCK_M), f32),
+        plgpu.SMEM((C, BLOCK_M, block_kv), jnp.bfloat16,
+                   transforms=_transforms(block_kv, jnp.bfloat16)),
         plgpu.Barrier(num_arrivals=4 + has_tree),
-        plgpu.Barrier(num_arrivals=1 + fp8, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1 + fp8, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        # The scales get their own barriers (one TMA arrival per phase everywhere).
+        plgpu.Barrier(num_barriers=stages) if fp8 else None,
+        plgpu.Barrier(num_barriers=stages) if fp8 else None,
+        # Released by the one compute warpgroup that consumed the slot.
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        collective_axes="wg",
     )
 
-  out_type = (jax.ShapeDtypeStruct((num_splits, BK, Mpad, Dh), jnp.float32),
-              jax.ShapeDtypeStruct((num_splits, BK, Mpad), jnp.float32))
+  P = num_splits * C
+  out_type = (jax.ShapeDtypeStruct((P, BK, Mpad, Dh), jnp.bfloat16),
+              jax.ShapeDtypeStruct((P, BK, Mpad), jnp.float32))
   args = [q_packed, k_cache, v_cache]
   if fp8:
     args += [k_scale, v_scale]
@@ -235,5 +294,6 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
   args.append(bounds)
   return plgpu.kernel(
       body, out_type=out_type, grid=(num_m, num_splits, BK), grid_names=("m", "split", "bk"),
+      num_threads=C + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*args)
