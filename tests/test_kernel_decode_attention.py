@@ -158,6 +158,23 @@ def test_tree_verify(fp8, chunk):
            **scales)
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs the 8 host devices conftest sets")
+def test_two_consumer_warpgroups(monkeypatch):
+  """The GPU configuration: 2 consumer warpgroups taking alternate KV steps (fp8, tree, chunk,
+  8 steps over 4 stages, so every slot is refilled). Interpret mode defaults to 1 consumer: with
+  3 warpgroup threads blocked in callbacks a 1-device CPU client's pool can deadlock; with 8 host
+  devices it has not (6/6 runs)."""
+  from pallas_kernels.decode_attention import api
+  monkeypatch.setattr(api, "INTERPRET_COMPUTE_WGS", 2)
+  rng = np.random.default_rng(60)
+  q, k, v, scales = make_inputs(61, 1, 5, 4, 1, 64, 640, fp8=True)
+  depth, vis = random_tree(rng, 5)
+  start = np.array([500], np.int32)
+  positions = (depth + 500)[None].astype(np.int32)
+  run_case(q, k, v, positions, chunk=512, tree=(start, positions, vis[None]), num_splits=1,
+           **scales)
+
+
 def test_xla_reference_matches_model():
   """reference.py equals maverick.model.attention(cache_mask(...)) on rows that see something
   (pallas_kernels does not import maverick; the test does)."""

@@ -92,8 +92,9 @@ def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
   return max(1, min(common.num_sms() // max(work_items, 1), num_kv_blocks, 64))
 
 
-# One jit over the packing, the kernel and the combine (eager jnp ops would each compile). The
-# interpret flag and arch are static so interpreted and GPU executables never share a cache entry.
+# One jit over the packing, the kernel and the combine (eager jnp ops would each compile).
+# mode = (interpreting, arch, consumer warpgroups) is static: interpreted and GPU executables never
+# share a cache entry.
 @functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
 def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
             tree_positions, tree_visible, num_splits, sm_scale, mode):
@@ -161,7 +162,7 @@ def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree
   out, lse = sm90.split_attention(
       q_packed, k_cache, v_cache, ks, vs, pos_rows, cs_rows, tree_bits, bounds.astype(jnp.int32),
       num_kv_heads=K, num_splits=num_splits, block_kv=BLOCK_KV, sm_scale=sm_scale,
-      compute_wgs=INTERPRET_COMPUTE_WGS if mode[0] else COMPUTE_WGS)
+      compute_wgs=mode[2])
   out = combine(out.astype(jnp.float32), lse)  # [B*K, Mpad, Dh] f32
   out = out[:, :M].reshape(B, K, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
   return out.astype(q.dtype)
@@ -210,6 +211,7 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
         q, k_cache, v_cache, q_positions, chunk_size=chunk_size, k_scale=k_scale,
         v_scale=v_scale, tree_start=tree_start, tree_positions=tree_positions,
         tree_visible=tree_visible, sm_scale=sm_scale)
-  mode = (common.interpreting(), common.target_arch())
+  interpreting = common.interpreting()
+  mode = (interpreting, common.target_arch(), INTERPRET_COMPUTE_WGS if interpreting else COMPUTE_WGS)
   return _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
                  tree_positions, tree_visible, num_splits, sm_scale, mode)
