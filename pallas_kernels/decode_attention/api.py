@@ -87,7 +87,7 @@ def _pack_rows(x, G, Mpad, fill):
 
 
 def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
-  """Enough splits to give every SM a CTA (one CTA fits an SM: ~176 KiB SMEM), at least one KV
+  """Enough splits to give every SM a CTA (one CTA fills an SM: ~200 KiB SMEM), at least one KV
   block each."""
   return max(1, min(common.num_sms() // max(work_items, 1), num_kv_blocks, 64))
 
@@ -185,7 +185,9 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
   """q [B,T,H,Dh] bf16; k_cache/v_cache [B,S,K,Dh] bf16 or float8_e4m3fn (then k_scale/v_scale
   [B,S,K] f32); q_positions [B,T] int. Optional chunk_size (chunked layers), tree block
   (tree_start [B], tree_positions [B,R], tree_visible [B,T,R] bool), num_splits (split-K; auto
-  from the SM count), sm_scale (default Dh**-0.5). Returns [B,T,H,Dh] bf16."""
+  from the SM count, at most S // 64), sm_scale (default Dh**-0.5). Returns [B,T,H,Dh] bf16.
+  The kernel takes head_dim 64/128, S % 64 == 0 and trees of at most 128 slots; otherwise None
+  falls back to XLA and "pallas" raises KernelInputError. sm90 only (sm100: XLA / raises)."""
   _validate(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
             tree_positions, tree_visible, num_splits)
   Dh = q.shape[3]

@@ -6,8 +6,11 @@ padded to 64), so one K/V tile read from HBM serves all of them. Each CTA walks 
 row's visible KV blocks (bounds computed per row outside the kernel and read from SMEM, so rows
 with short contexts or chunked layers skip the blocks they cannot see), streaming K/V tiles by
 TMA into swizzled SMEM through a `stages`-deep ring of barriers; scores and P@V use wgmma, the
-softmax runs online in f32 (base 2). Each split writes a normalised partial output and its
-log2-sum-exp; `combine` merges the splits in XLA (a few MB even at Maverick shapes).
+softmax runs online in f32 (base 2). Warp specialised: one producer warpgroup issues the TMA
+copies and refills a slot when its consumer releases it; 2 consumer warpgroups take alternate KV
+steps (one's softmax overlaps the other's wgmma). Every consumer of every split writes a
+normalised bf16 partial output and its log2-sum-exp; `api.combine` merges them in XLA (a few MB
+at Maverick shapes, ~1-3% of the cache bytes).
 
 Visibility inside the kernel, per score (row m, slot s), from per-row vectors prepared by api.py:
   s < tree_start:               chunk_start[m] <= s <= q_pos[m]   (slot s holds position s)
