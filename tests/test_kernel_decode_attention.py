@@ -159,6 +159,20 @@ def test_tree_verify(fp8, chunk):
            **scales)
 
 
+def test_tree_of_40_nodes():
+  """R = 40 > 32: visibility crosses into the second bit word. The queries are the last 3 nodes
+  (T < R, as when only leaves are scored); deep chains make their ancestors span both words."""
+  rng = np.random.default_rng(12)
+  B, T, R, H, K, Dh, S = 1, 3, 40, 2, 1, 64, 128
+  q, k, v, _ = make_inputs(22, B, T, H, K, Dh, S)
+  depth, vis = random_tree(rng, R)
+  start = np.array([20], np.int32)
+  node_positions = (depth + 20)[None].astype(np.int32)
+  queries = np.arange(R - T, R)
+  run_case(q, k, v, node_positions[:, queries], tree=(start, node_positions, vis[queries][None]),
+           num_splits=1)
+
+
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs the 8 host devices conftest sets")
 def test_two_consumer_warpgroups(monkeypatch):
   """The GPU configuration: 2 consumer warpgroups taking alternate KV steps (fp8, tree, chunk,
