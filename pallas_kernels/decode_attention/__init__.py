@@ -1,0 +1,5 @@
+"""Decode / verify attention over a KV cache (split-K flash-decoding on Hopper)."""
+
+from pallas_kernels.decode_attention.api import decode_attention
+
+__all__ = ["decode_attention"]

@@ -1,0 +1,219 @@
+"""decode_attention: new queries (decode, EAGLE-3 verify, tree verify) over a KV cache.
+
+Semantics (= maverick.model.attention(q, k, v, cache_mask(q_positions, S, chunk_size, tree),
+k_scale, v_scale), see reference.py): slot s holds position s; query at position p sees slots
+0 <= s <= p (and s // chunk_size == p // chunk_size on chunked layers); with a tree block, slots
+tree_start .. tree_start+R-1 hold positions tree_positions and query t sees tree slot r iff
+tree_visible[b, t, r] and the positional mask allows it; slots after the block are invisible.
+A query that sees no slot returns 0 (the model never produces one).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels.decode_attention import reference
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+BLOCK_KV = 64
+# Consumer warpgroups per CTA (plus one TMA producer). The CPU interpreter runs each warpgroup as
+# a thread that blocks inside XLA callbacks; with 3 of them on a 2-core host XLA's CPU pool can
+# starve and deadlock (seen ~1 run in 7), so interpret mode runs 1 consumer: the same code path
+# with every KV step on warpgroup 0. GPU lowering is checked with 2.
+COMPUTE_WGS = 2
+INTERPRET_COMPUTE_WGS = 1
+MAX_TREE = 128  # tree visibility travels as 4 int32 bit words per query row
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def _shape(x) -> str:
+  return f"shape {tuple(x.shape)} dtype {jnp.dtype(x.dtype).name}"
+
+
+def _validate(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
+              tree_positions, tree_visible, num_splits):
+  check = common.check
+  check(q.ndim == 4, f"q: got {_shape(q)}; expected [B, T, H, Dh]")
+  B, T, H, Dh = q.shape
+  check(jnp.dtype(q.dtype) == jnp.bfloat16, f"q: got {_shape(q)}; pass bfloat16 queries")
+  check(k_cache.ndim == 4 and k_cache.shape[0] == B and k_cache.shape[3] == Dh,
+        f"k_cache: got {_shape(k_cache)}; expected [B={B}, S, K, Dh={Dh}] matching q")
+  S, K = k_cache.shape[1], k_cache.shape[2]
+  check(v_cache.shape == k_cache.shape,
+        f"v_cache: got {_shape(v_cache)}; expected the shape of k_cache {tuple(k_cache.shape)}")
+  check(K > 0 and H % K == 0, f"q: {H} heads is not a multiple of k_cache's {K} kv heads")
+  kv_dtype = jnp.dtype(k_cache.dtype)
+  check(kv_dtype in (jnp.dtype(jnp.bfloat16), FP8),
+        f"k_cache: got {_shape(k_cache)}; the cache must be bfloat16 or float8_e4m3fn")
+  check(jnp.dtype(v_cache.dtype) == kv_dtype,
+        f"v_cache: got {_shape(v_cache)}; must have k_cache's dtype {kv_dtype.name}")
+  check(q_positions.shape == (B, T) and jnp.issubdtype(q_positions.dtype, jnp.integer),
+        f"q_positions: got {_shape(q_positions)}; expected int32 [B={B}, T={T}]")
+  if kv_dtype == FP8:
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+      check(s is not None, f"{name}: missing; an FP8 cache needs float32 scales [B={B}, S={S}, "
+            f"K={K}]")
+      check(s.shape == (B, S, K) and jnp.dtype(s.dtype) == jnp.float32,
+            f"{name}: got {_shape(s)}; expected float32 [B={B}, S={S}, K={K}]")
+  else:
+    check(k_scale is None and v_scale is None,
+          "k_scale/v_scale: given for a bfloat16 cache; scales go with a float8_e4m3fn cache only")
+  check(chunk_size is None or (isinstance(chunk_size, int) and chunk_size > 0),
+        f"chunk_size: got {chunk_size!r}; pass a positive int or None")
+  check(num_splits is None or (isinstance(num_splits, int) and num_splits > 0),
+        f"num_splits: got {num_splits!r}; pass a positive int or None (auto)")
+  tree = (tree_start, tree_positions, tree_visible)
+  check(all(t is None for t in tree) or all(t is not None for t in tree),
+        "tree_start/tree_positions/tree_visible: pass all three or none")
+  if tree_start is not None:
+    check(tree_start.shape == (B,), f"tree_start: got {_shape(tree_start)}; expected int [B={B}]")
+    check(tree_positions.ndim == 2 and tree_positions.shape[0] == B,
+          f"tree_positions: got {_shape(tree_positions)}; expected int [B={B}, R]")
+    R = tree_positions.shape[1]
+    check(tree_visible.shape == (B, T, R) and jnp.dtype(tree_visible.dtype) == jnp.bool_,
+          f"tree_visible: got {_shape(tree_visible)}; expected bool [B={B}, T={T}, R={R}]")
+
+
+def _pack_rows(x, G, Mpad, fill):
+  """[B, T, ...] per-query values -> [B, Mpad, ...] per packed row m = t * G + g."""
+  x = jnp.repeat(x, G, axis=1)
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, Mpad - x.shape[1])
+  return jnp.pad(x, pad, constant_values=fill)
+
+
+def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
+  """Enough splits to give every SM a CTA (one CTA fills an SM: ~200 KiB SMEM), at least one KV
+  block each."""
+  return max(1, min(common.num_sms() // max(work_items, 1), num_kv_blocks, 64))
+
+
+# One jit over the packing, the kernel and the combine (eager jnp ops would each compile).
+# mode = (interpreting, arch, consumer warpgroups) is static: interpreted and GPU executables never
+# share a cache entry.
+@functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
+def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
+            tree_positions, tree_visible, num_splits, sm_scale, mode):
+  from pallas_kernels.decode_attention import sm90
+  B, T, H, Dh = q.shape
+  S, K = k_cache.shape[1], k_cache.shape[2]
+  G = H // K
+  M = T * G
+  Mpad = -(-M // sm90.BLOCK_M) * sm90.BLOCK_M
+  num_m = Mpad // sm90.BLOCK_M
+  num_blocks = S // BLOCK_KV
+  if num_splits is None:
+    num_splits = default_num_splits(B * K * num_m, num_blocks)
+  num_splits = min(num_splits, num_blocks)
+
+  q_positions = q_positions.astype(jnp.int32)
+  if chunk_size is None:
+    chunk_start = jnp.zeros_like(q_positions)
+  else:
+    chunk_start = (q_positions // chunk_size) * chunk_size
+  q_packed = q.reshape(B, T, K, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B * K, M, Dh)
+  q_packed = jnp.pad(q_packed, ((0, 0), (0, Mpad - M), (0, 0)))
+  pos_rows = _pack_rows(q_positions, G, Mpad, -1)  # padded rows see nothing
+  cs_rows = _pack_rows(chunk_start, G, Mpad, 0)
+
+  max_q = jnp.max(q_positions, axis=1)
+  hi = jnp.clip(max_q + 1, 0, S)
+  lo = jnp.min(chunk_start, axis=1)
+  tree_bits = None
+  if tree_start is None:
+    t_start = t_end = jnp.full((B,), S, jnp.int32)
+  else:
+    R = tree_positions.shape[1]
+    t_start = tree_start.astype(jnp.int32)
+    t_end = t_start + R
+    tp = tree_positions.astype(jnp.int32)[:, None, :]
+    qp = q_positions[:, :, None]
+    eff = tree_visible & (tp <= qp) & (tp >= 0)  # the positional mask, folded into the bits
+    if chunk_size is not None:
+      eff &= (tp // chunk_size) == (qp // chunk_size)
+    words = -(-R // 32)
+    eff = jnp.pad(eff, ((0, 0), (0, 0), (0, 32 * words - R))).reshape(B, T, words, 32)
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+    packed = jnp.sum(jnp.where(eff, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)
+    packed = jax.lax.bitcast_convert_type(packed, jnp.int32)  # [B, T, W]
+    tree_bits = _pack_rows(packed, G, Mpad, 0).transpose(0, 2, 1)  # [B, W, Mpad]
+    hi = jnp.clip(jnp.maximum(jnp.minimum(max_q + 1, t_start), t_end), 0, S)
+    lo = jnp.minimum(lo, t_start)
+  lo = jnp.clip(lo, 0, hi)
+  first = lo // BLOCK_KV
+  n = jnp.maximum(-(-hi // BLOCK_KV) - first, 0)
+  per = -(-n // num_splits)
+  j = jnp.arange(num_splits, dtype=jnp.int32)[None, :]
+  split_first = first[:, None] + j * per[:, None]
+  split_steps = jnp.clip(n[:, None] - j * per[:, None], 0, per[:, None])
+  bounds = jnp.stack([split_first, split_steps,
+                      jnp.broadcast_to(t_start[:, None], split_first.shape),
+                      jnp.broadcast_to(t_end[:, None], split_first.shape)], axis=-1)
+
+  ks = vs = None
+  if k_scale is not None:
+    # [B, K, S] so one TMA copy per tile reads a contiguous run of scales (~1.5% of the fp8 bytes).
+    ks = jnp.transpose(k_scale, (0, 2, 1))
+    vs = jnp.transpose(v_scale, (0, 2, 1))
+  out, lse = sm90.split_attention(
+      q_packed, k_cache, v_cache, ks, vs, pos_rows, cs_rows, tree_bits, bounds.astype(jnp.int32),
+      num_kv_heads=K, num_splits=num_splits, block_kv=BLOCK_KV, sm_scale=sm_scale,
+      compute_wgs=mode[2])
+  out = combine(out.astype(jnp.float32), lse)  # [B*K, Mpad, Dh] f32
+  out = out[:, :M].reshape(B, K, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
+  return out.astype(q.dtype)
+
+
+def combine(out, lse):
+  """Merges split partials: out [P, ..., Dh] (each normalised), lse [P, ...] (log2 units)."""
+  mx = jnp.max(lse, axis=0)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  w = jnp.exp2(lse - mx)  # -inf (empty split) -> 0
+  den = jnp.sum(w, axis=0)
+  num = jnp.sum(w[..., None] * out, axis=0)
+  return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None = None,
+                     k_scale=None, v_scale=None, tree_start=None, tree_positions=None,
+                     tree_visible=None, num_splits: int | None = None,
+                     sm_scale: float | None = None, implementation: str | None = None):
+  """q [B,T,H,Dh] bf16; k_cache/v_cache [B,S,K,Dh] bf16 or float8_e4m3fn (then k_scale/v_scale
+  [B,S,K] f32); q_positions [B,T] int. Optional chunk_size (chunked layers), tree block
+  (tree_start [B], tree_positions [B,R], tree_visible [B,T,R] bool), num_splits (split-K; auto
+  from the SM count, at most S // 64), sm_scale (default Dh**-0.5). Returns [B,T,H,Dh] bf16.
+  The kernel takes head_dim 64/128, S % 64 == 0 and trees of at most 128 slots; otherwise None
+  falls back to XLA and "pallas" raises KernelInputError. sm90 only (sm100: XLA / raises)."""
+  _validate(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
+            tree_positions, tree_visible, num_splits)
+  Dh = q.shape[3]
+  S = k_cache.shape[1]
+  sm_scale = float(Dh ** -0.5 if sm_scale is None else sm_scale)
+  why = []
+  if Dh not in SUPPORTED_HEAD_DIMS:
+    why.append(f"head_dim {Dh} (supported: {SUPPORTED_HEAD_DIMS})")
+  if S % BLOCK_KV:
+    why.append(f"cache length {S} is not a multiple of {BLOCK_KV}")
+  if tree_positions is not None and tree_positions.shape[1] > MAX_TREE:
+    why.append(f"tree of {tree_positions.shape[1]} slots (at most {MAX_TREE})")
+  impl = common.resolve(implementation, supported=not why, why="; ".join(why))
+  if impl == "pallas":
+    arch = common.target_arch()
+    if arch != "sm90":
+      common.check(implementation is None,
+                   f"implementation='pallas': no {arch} decode_attention kernel yet (sm90 only); "
+                   f"use implementation='xla' or None")
+      impl = "xla"
+  if impl == "xla":
+    return reference.decode_attention(
+        q, k_cache, v_cache, q_positions, chunk_size=chunk_size, k_scale=k_scale,
+        v_scale=v_scale, tree_start=tree_start, tree_positions=tree_positions,
+        tree_visible=tree_visible, sm_scale=sm_scale)
+  interpreting = common.interpreting()
+  mode = (interpreting, common.target_arch(), INTERPRET_COMPUTE_WGS if interpreting else COMPUTE_WGS)
+  return _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
+                 tree_positions, tree_visible, num_splits, sm_scale, mode)
