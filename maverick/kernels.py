@@ -129,3 +129,21 @@ def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None):
   if not use_pallas(kernels, ok):
     return None
   return prefill.prefill_attention(q, k, v, chunk_size=chunk_size, implementation="pallas")
+
+
+def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tree,
+                    kv_scales: dict, kernels: str | None):
+  """Decode / verify / tree-verify attention of T new queries over the KV cache, or None."""
+  if kernels == "xla":
+    return None
+  from pallas_kernels import decode_attention as decode
+  ok = (common.runnable_arch() != "sm100" and q.dtype == jnp.bfloat16 and q.shape[3] in (64, 128) and k_cache.shape[1] % 64 == 0
+        and (tree is None or tree.positions.shape[1] <= 128) and q.shape[1] <= 64)
+  if not use_pallas(kernels, ok):
+    return None
+  tree_args = {}
+  if tree is not None:
+    tree_args = dict(tree_start=tree.start, tree_positions=tree.positions,
+                     tree_visible=tree.visible)
+  return decode.decode_attention(q, k_cache, v_cache, q_positions, chunk_size=chunk_size,
+                                 **kv_scales, **tree_args, implementation="pallas")

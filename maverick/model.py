@@ -271,8 +271,11 @@ class Attention(nnx.Module):
         kv_scales = {}
         if len(new_cache) == 4:
           kv_scales = dict(k_scale=new_cache[2], v_scale=new_cache[3])
-        mask = cache_mask(positions_bt, new_cache[0].shape[1], self.chunk_size, tree)
-        out = attention(q, new_cache[0], new_cache[1], mask, **kv_scales)
+        out = kernels_lib.cache_attention(q, new_cache[0], new_cache[1], positions_bt,
+                                          self.chunk_size, tree, kv_scales, self.kernels)
+        if out is None:
+          mask = cache_mask(positions_bt, new_cache[0].shape[1], self.chunk_size, tree)
+          out = attention(q, new_cache[0], new_cache[1], mask, **kv_scales)
         return self.output(out), new_cache
     if tree is not None:
       raise ValueError("a tree mask needs a KV cache to attend to")

@@ -1,0 +1,110 @@
+"""The model with its Pallas kernels (`maverick.kernels`): logits with kernels="pallas" in GPU
+interpret mode against kernels="xla", on a small config whose shapes every kernel takes (so all
+four run: GEMMs, fused MoE grouped GEMMs, prefill and decode attention) and on the HF fixture
+(head_dim 32 and expert width 48 are outside the attention / grouped kernels: those calls fall
+back to XLA, the GEMMs run). Plus the lowering of the whole forward for sm_90: which calls became
+Mosaic GPU kernels.
+
+Tolerance: everything is bf16, so both paths round every activation to bf16 (relative 2^-9) in
+different orders; through a few layers that is ~1e-2 relative, and a near-tie in top-1 routing
+can move a token to another expert. So: relative L2 error of the logits < 3e-2 and greedy (argmax)
+agreement >= 95% of positions.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from maverick import config as config_lib
+from maverick import kernels as kernels_lib
+from maverick import kv_cache as kvc
+from maverick import model as model_lib
+from maverick.checkpoint import store
+
+
+def aligned_config():
+  """4 layers (chunked RoPE x3 + global NoPE, MoE on 1 and 3), GQA 4, shapes the kernels take."""
+  return config_lib.tiny("bfloat16").replace(
+      hidden_size=128, head_dim=64, num_attention_heads=4, num_key_value_heads=1,
+      intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=4,
+      no_rope_layers=None, moe_layers=None, layer_types=None, attention_chunk_size=64)
+
+
+def _prefill_then_decode(model, tokens, capacity=128):
+  """Prefill logits [B, T, V] and the next step's logits [B, 1, V] (decode through the cache)."""
+  graphdef, state = nnx.split(model)
+  B, T = tokens.shape
+  cache = kvc.KVCache.init(model.config, B, capacity)
+  out = model_lib.apply(graphdef, state, tokens, cache=cache, prefill=True)
+  nxt = jnp.argmax(out.logits[:, -1:], axis=-1).astype(jnp.int32)
+  step = model_lib.apply(graphdef, state, nxt, cache=out.cache)
+  return np.asarray(out.logits, np.float32), np.asarray(step.logits, np.float32)
+
+
+def _agree(out, ref):
+  rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  top1 = np.mean(np.argmax(out, -1) == np.argmax(ref, -1))
+  assert rel < 3e-2 and top1 >= 0.95, (rel, top1)
+
+
+def _prefill(model, tokens):
+  return (np.asarray(model_lib.apply(*nnx.split(model), tokens).logits, np.float32),)
+
+
+def _compare(model, tokens, run=_prefill_then_decode):
+  kernels_lib.set_kernels(model, "xla")
+  ref = run(model, tokens)
+  with pallas_kernels.interpret(detect_races=False):  # races: covered per kernel
+    kernels_lib.set_kernels(model, "pallas")
+    out = run(model, tokens)
+  for o, r in zip(out, ref):
+    _agree(o, r)
+
+
+def test_all_kernels_match_xla_on_aligned_model():
+  model = model_lib.init_model(aligned_config(), seed=0)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 80)), jnp.int32)
+  _compare(model, tokens)  # 80 tokens cross the 64-token chunk boundary
+
+
+def test_fixture_logits_match_xla(hf_fixture_dir):
+  model = store.load_hf(str(hf_fixture_dir), dtype="bfloat16")
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 512, (1, 24)), jnp.int32)
+  _compare(model, tokens, _prefill)  # 8 layers: prefill only, to keep CI time
+
+
+def _mosaic_calls(model, tokens_shape, decode: bool) -> int:
+  graphdef, state = nnx.split(model)
+  cfg = model.config
+  cache = kvc.KVCache.init(cfg, tokens_shape[0], 128)
+  if decode:
+    cache = cache.with_lengths(jnp.full((tokens_shape[0],), 70, jnp.int32))
+  fn = lambda st, tok, c: model_lib.apply(graphdef, st, tok, cache=c, prefill=not decode).logits
+  hlo = pallas_kernels.lower_for_gpu(fn, state, jax.ShapeDtypeStruct(tokens_shape, jnp.int32),
+                                     cache)
+  return hlo.count("mosaic_gpu_v2")
+
+
+def test_forward_lowers_with_every_kernel_for_sm90():
+  model = model_lib.init_model(aligned_config(), seed=0)  # kernels=None: auto
+  # Per layer: q, k, v, o + 3 MLP / shared-expert GEMMs; + LM head; MoE layers: fused gate/up +
+  # down; attention: 4 layers.
+  gemms, grouped, attention = 4 * 7 + 1, 2 * 2, 4
+  assert _mosaic_calls(model, (2, 80), decode=False) == gemms + grouped + attention
+  # Decode attention is one jitted function (pack, kernel, split-K combine): the HLO text holds
+  # one definition per distinct layer kind (chunked RoPE, global NoPE), called by all 4 layers.
+  assert _mosaic_calls(model, (2, 1), decode=True) == gemms + grouped + 2
+  kernels_lib.set_kernels(model, "xla")
+  assert _mosaic_calls(model, (2, 1), decode=True) == 0
+
+
+def test_kernels_switch_errors():
+  model = model_lib.init_model(aligned_config(), seed=0)
+  with pytest.raises(ValueError, match="kernels='cuda'"):
+    kernels_lib.set_kernels(model, "cuda")
+  with pytest.raises(pallas_kernels.KernelInputError, match="interpret"):
+    kernels_lib.set_kernels(model, "pallas")  # no GPU here
