@@ -1,6 +1,7 @@
 """benchmarks/kernels.py --interpret: toy shapes of every kernel in GPU interpret mode, checked
 against the XLA reference, written to JSON (the GPU run uses the same code at Maverick shapes)."""
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -11,6 +12,7 @@ from absl import app
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@functools.cache  # once per process: the script defines absl flags at import
 def _load():
   spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "kernels.py")
   mod = importlib.util.module_from_spec(spec)
