@@ -78,6 +78,15 @@ def _validate(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tr
           f"tree_visible: got {_shape(tree_visible)}; expected bool [B={B}, T={T}, R={R}]")
 
 
+def _kernel_module(arch: str):
+  """The split-K kernel for `arch`: sm90 (wgmma, 64-row tiles) or sm100 (tcgen05, 128 rows)."""
+  if arch == "sm100":
+    from pallas_kernels.decode_attention import sm100 as kernel
+  else:
+    from pallas_kernels.decode_attention import sm90 as kernel
+  return kernel
+
+
 def _pack_rows(x, G, Mpad, fill):
   """[B, T, ...] per-query values -> [B, Mpad, ...] per packed row m = t * G + g."""
   x = jnp.repeat(x, G, axis=1)
@@ -98,13 +107,13 @@ def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
 @functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
 def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
             tree_positions, tree_visible, num_splits, sm_scale, mode):
-  from pallas_kernels.decode_attention import sm90
+  kernel = _kernel_module(mode[1])
   B, T, H, Dh = q.shape
   S, K = k_cache.shape[1], k_cache.shape[2]
   G = H // K
   M = T * G
-  Mpad = -(-M // sm90.BLOCK_M) * sm90.BLOCK_M
-  num_m = Mpad // sm90.BLOCK_M
+  Mpad = -(-M // kernel.BLOCK_M) * kernel.BLOCK_M
+  num_m = Mpad // kernel.BLOCK_M
   num_blocks = S // BLOCK_KV
   if num_splits is None:
     num_splits = default_num_splits(B * K * num_m, num_blocks)
@@ -159,7 +168,7 @@ def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree
     # [B, K, S] so one TMA copy per tile reads a contiguous run of scales (~1.5% of the fp8 bytes).
     ks = jnp.transpose(k_scale, (0, 2, 1))
     vs = jnp.transpose(v_scale, (0, 2, 1))
-  out, lse = sm90.split_attention(
+  out, lse = kernel.split_attention(
       q_packed, k_cache, v_cache, ks, vs, pos_rows, cs_rows, tree_bits, bounds.astype(jnp.int32),
       num_kv_heads=K, num_splits=num_splits, block_kv=BLOCK_KV, sm_scale=sm_scale,
       compute_wgs=mode[2])
@@ -187,7 +196,8 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
   (tree_start [B], tree_positions [B,R], tree_visible [B,T,R] bool), num_splits (split-K; auto
   from the SM count, at most S // 64), sm_scale (default Dh**-0.5). Returns [B,T,H,Dh] bf16.
   The kernel takes head_dim 64/128, S % 64 == 0 and trees of at most 128 slots; otherwise None
-  falls back to XLA and "pallas" raises KernelInputError. sm90 only (sm100: XLA / raises)."""
+  falls back to XLA and "pallas" raises KernelInputError. Kernels: sm90.py (Hopper, wgmma) and
+  sm100.py (Blackwell, tcgen05/TMEM), picked by `common.target_arch()`."""
   _validate(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
             tree_positions, tree_visible, num_splits)
   Dh = q.shape[3]
@@ -201,13 +211,6 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
   if tree_positions is not None and tree_positions.shape[1] > MAX_TREE:
     why.append(f"tree of {tree_positions.shape[1]} slots (at most {MAX_TREE})")
   impl = common.resolve(implementation, supported=not why, why="; ".join(why))
-  if impl == "pallas":
-    arch = common.target_arch()
-    if arch != "sm90":
-      common.check(implementation is None,
-                   f"implementation='pallas': no {arch} decode_attention kernel yet (sm90 only); "
-                   f"use implementation='xla' or None")
-      impl = "xla"
   if impl == "xla":
     return reference.decode_attention(
         q, k_cache, v_cache, q_positions, chunk_size=chunk_size, k_scale=k_scale,
