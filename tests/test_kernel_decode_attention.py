@@ -1,15 +1,14 @@
-"""pallas_kernels.decode_attention: the sm90 split-K kernel in GPU interpret mode (races detected)
-against a float64 NumPy reference written here, the XLA reference against the model's
-`attention(cache_mask(...))`, lowering for sm_90 at Maverick shapes, and bad input.
+"""pallas_kernels.decode_attention: the sm90 (wgmma) and sm100 (tcgen05/TMEM) split-K kernels in
+GPU interpret mode (races detected) against a float64 NumPy reference written here, the XLA
+reference against the model's `attention(cache_mask(...))`, lowering for sm_90 and sm_100 at
+Maverick shapes, and bad input. The sm100 interpret cases are a subset (interpret mode is slow).
 
 Tolerance (bf16 output): the kernel and the float64 reference see the same bf16 (or e4m3) inputs;
-the kernel's roundings are the bf16 probabilities fed to the P@V wgmma (relative 2**-9, as the
+the kernel's roundings are the bf16 probabilities fed to the P@V MMA (relative 2**-9, as the
 XLA reference does), the bf16 per-split partial outputs and the bf16 output (2**-9 relative each),
 so |err| <= ~3 * 2**-9 * max|v| plus f32 accumulation noise: atol = rtol = 2e-2 for |v| of a few
 units. FP8 scales are powers of two, so scale * e4m3 products are exact and the same tolerance
 holds."""
-
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import KernelInputError, common
-from pallas_kernels.decode_attention import decode_attention, reference
+from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.decode_attention import bench
 
 ATOL = RTOL = 2e-2
@@ -95,13 +94,14 @@ def random_tree(rng, R):
   return np.array(depth), vis
 
 
-def run_case(q, k, v, q_pos, *, chunk=None, tree=None, num_splits=None, **scales):
+def run_case(q, k, v, q_pos, *, chunk=None, tree=None, num_splits=None, arch="sm90", **scales):
+  """The `arch` kernel in interpret mode and the XLA reference against the float64 reference."""
   ref = np_attention(q, k, v, np_visibility(q_pos, k.shape[1], chunk, tree), **scales)
   tree_kw = {}
   if tree is not None:
     tree_kw = dict(zip(("tree_start", "tree_positions", "tree_visible"),
                        (jnp.asarray(x) for x in tree)))
-  with common.interpret():
+  with common.interpret(arch=arch):
     out = decode_attention(q, k, v, jnp.asarray(q_pos, jnp.int32), chunk_size=chunk,
                            num_splits=num_splits, implementation="pallas", **tree_kw, **scales)
     out = np.asarray(jax.block_until_ready(out).astype(jnp.float32), np.float64)
@@ -132,19 +132,28 @@ CASES = [
     # num_splits=None: auto (interpret mode emulates 2 SMs)
     ("t1_g5_dh128_autosplit", 6, 1, 1, 5, 1, 128, 128, [[77]], None, None, False),
 ]
+# sm100 (interpret mode is slow: a subset). Its stage count at Dh=64 with one consumer is 6, so
+# refilling needs 7+ KV steps in one split: row 1 takes 8.
+SM100_CASES = [
+    ("t1_g1_len1_refill8", 0, 2, 1, 2, 2, 64, 512, [[0], [459]], None, 1, False),
+] + [c for c in CASES if c[0] in ("t4_g5_splits2", "t4_g4_fp8_chunked_refill")]
+KERNEL_CASES = ([pytest.param(c, "sm90", id=c[0]) for c in CASES]
+                + [pytest.param(c, "sm100", id=f"sm100-{c[0]}") for c in SM100_CASES])
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kernel_matches_float64(case):
+@pytest.mark.parametrize("case,arch", KERNEL_CASES)
+def test_kernel_matches_float64(case, arch):
   _, seed, B, T, H, K, Dh, S, q_pos, chunk, splits, fp8 = case
   q, k, v, scales = make_inputs(seed, B, T, H, K, Dh, S, fp8)
   q_pos = np.array(q_pos)
-  out = run_case(q, k, v, q_pos, chunk=chunk, num_splits=splits, **scales)
+  out = run_case(q, k, v, q_pos, chunk=chunk, num_splits=splits, arch=arch, **scales)
   assert np.all(out[q_pos < 0] == 0)
 
 
-@pytest.mark.parametrize("fp8,chunk", [(False, None), (True, 64)], ids=["bf16", "fp8_chunked"])
-def test_tree_verify(fp8, chunk):
+@pytest.mark.parametrize("fp8,chunk,arch", [(False, None, "sm90"), (True, 64, "sm90"),
+                                            (False, None, "sm100")],
+                         ids=["bf16", "fp8_chunked", "sm100-bf16"])
+def test_tree_verify(fp8, chunk, arch):
   """R = T = 5 tree nodes after a committed prefix; slots after the tree hold garbage that must
   stay invisible. fp8_chunked: row 0's tree crosses the chunk boundary at 64, so deep nodes lose
   the committed prefix and their shallow ancestors."""
@@ -156,7 +165,7 @@ def test_tree_verify(fp8, chunk):
   positions = np.stack(depths).astype(np.int32) + start[:, None]
   visible = np.stack(vis)
   run_case(q, k, v, positions, chunk=chunk, tree=(start, positions, visible), num_splits=2,
-           **scales)
+           arch=arch, **scales)
 
 
 def test_tree_of_40_nodes():
@@ -174,11 +183,13 @@ def test_tree_of_40_nodes():
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs the 8 host devices conftest sets")
-def test_two_consumer_warpgroups(monkeypatch):
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_two_consumer_warpgroups(monkeypatch, arch):
   """The GPU configuration: 2 consumer warpgroups taking alternate KV steps (fp8, tree, chunk,
-  8 steps over 4 stages, so every slot is refilled). Interpret mode defaults to 1 consumer: with
-  3 warpgroup threads blocked in callbacks a 1-device CPU client's pool can deadlock; with 8 host
-  devices it has not (6/6 runs)."""
+  8 steps over 4 stages on sm90 / 6 on sm100, so slots are refilled; on sm100 each consumer has
+  its own TMEM columns). Interpret mode defaults to 1 consumer: with 3 warpgroup threads blocked
+  in callbacks a 1-device CPU client's pool can deadlock; with 8 host devices it has not (6/6
+  runs)."""
   from pallas_kernels.decode_attention import api
   monkeypatch.setattr(api, "INTERPRET_COMPUTE_WGS", 2)
   rng = np.random.default_rng(60)
@@ -187,7 +198,7 @@ def test_two_consumer_warpgroups(monkeypatch):
   start = np.array([500], np.int32)
   positions = (depth + 500)[None].astype(np.int32)
   run_case(q, k, v, positions, chunk=512, tree=(start, positions, vis[None]), num_splits=1,
-           **scales)
+           arch=arch, **scales)
 
 
 def test_xla_reference_matches_model():
@@ -214,9 +225,10 @@ def test_xla_reference_matches_model():
                                    np.asarray(want.astype(jnp.float32)), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("S", [8192, 131072])
+@pytest.mark.parametrize("S,arch", [(8192, "sm90"), (131072, "sm90"), (8192, "sm100")])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_lowers_for_sm90_at_maverick_shapes(S, fp8):
+def test_lowers_at_maverick_shapes(S, arch, fp8):
+  """EAGLE-3 verify (T = 4, G = 5: 20 packed rows) at Maverick shapes, chunked at 8192."""
   B, T, H, K, Dh = 8, 4, 40, 8, 128
   sd = jax.ShapeDtypeStruct
   kv = FP8 if fp8 else jnp.bfloat16
@@ -228,14 +240,16 @@ def test_lowers_for_sm90_at_maverick_shapes(S, fp8):
   def f(q, k, v, pos, *scales):
     kw = dict(zip(("k_scale", "v_scale"), scales))
     return decode_attention(q, k, v, pos, chunk_size=8192, implementation="pallas", **kw)
-  text = common.lower_for_gpu(f, *args, arch="sm90")
+  text = common.lower_for_gpu(f, *args, arch=arch)
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("Dh,kv", [(128, jnp.bfloat16), (64, FP8)], ids=["dh128_bf16", "dh64_fp8"])
-def test_lowers_tree_verify_for_sm90(Dh, kv):
-  """Tree verify (T = R = 49: 4 query tiles of 64 packed rows, 2 bit words), and the Dh=64 fp8
-  tiles (64-byte swizzle) the interpret tests use."""
+@pytest.mark.parametrize("Dh,kv,arch", [(128, jnp.bfloat16, "sm90"), (64, FP8, "sm90"),
+                                        (128, FP8, "sm100"), (64, jnp.bfloat16, "sm100")],
+                         ids=["dh128_bf16", "dh64_fp8", "sm100-dh128_fp8", "sm100-dh64_bf16"])
+def test_lowers_tree_verify(Dh, kv, arch):
+  """Tree verify (T = R = 49: 245 packed rows, 4 query tiles of 64 on sm90 / 2 of 128 on sm100;
+  2 bit words), and the Dh=64 tiles (64-byte fp8 swizzle) the interpret tests use."""
   B, T, R, H, K, S = 8, 49, 49, 40, 8, 8192
   sd = jax.ShapeDtypeStruct
   fp8 = kv == FP8
@@ -247,7 +261,7 @@ def test_lowers_tree_verify_for_sm90(Dh, kv):
     return decode_attention(q, k, v, pos, chunk_size=8192, tree_start=start,
                             tree_positions=positions, tree_visible=visible,
                             implementation="pallas", **dict(zip(("k_scale", "v_scale"), scales)))
-  assert "mosaic_gpu" in common.lower_for_gpu(f, *args, arch="sm90")
+  assert "mosaic_gpu" in common.lower_for_gpu(f, *args, arch=arch)
 
 
 def _bad_inputs():
@@ -280,14 +294,15 @@ def test_bad_input_raises(i):
     decode_attention(**kwargs, implementation="pallas")
 
 
-def test_auto_implementation_picks_kernel_in_interpret_mode(monkeypatch):
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_auto_implementation_picks_kernel_in_interpret_mode(monkeypatch, arch):
   from pallas_kernels.decode_attention import api
   calls = []
   monkeypatch.setattr(api, "_pallas", lambda *a: calls.append(a) or a[0])
   q, k, v, _ = make_inputs(52, 1, 1, 2, 1, 64, 64)
-  with common.interpret():
+  with common.interpret(arch=arch):
     decode_attention(q, k, v, jnp.array([[10]], jnp.int32))
-  assert len(calls) == 1
+  assert len(calls) == 1 and calls[0][-1][1] == arch  # mode = (interpreting, arch, wgs)
 
 
 def test_unsupported_head_dim_falls_back_to_xla_on_auto():
