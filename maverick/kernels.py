@@ -137,7 +137,7 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
   if kernels == "xla":
     return None
   from pallas_kernels import decode_attention as decode
-  ok = (common.runnable_arch() != "sm100" and q.dtype == jnp.bfloat16 and q.shape[3] in (64, 128) and k_cache.shape[1] % 64 == 0
+  ok = (q.dtype == jnp.bfloat16 and q.shape[3] in (64, 128) and k_cache.shape[1] % 64 == 0
         and (tree is None or tree.positions.shape[1] <= 128) and q.shape[1] <= 64)
   if not use_pallas(kernels, ok):
     return None

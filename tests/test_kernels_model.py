@@ -77,7 +77,7 @@ def test_fixture_logits_match_xla(hf_fixture_dir):
   _compare(model, tokens, _prefill)  # 8 layers: prefill only, to keep CI time
 
 
-def _mosaic_calls(model, tokens_shape, decode: bool) -> int:
+def _mosaic_calls(model, tokens_shape, decode: bool, arch: str = "sm90") -> int:
   graphdef, state = nnx.split(model)
   cfg = model.config
   cache = kvc.KVCache.init(cfg, tokens_shape[0], 128)
@@ -85,7 +85,7 @@ def _mosaic_calls(model, tokens_shape, decode: bool) -> int:
     cache = cache.with_lengths(jnp.full((tokens_shape[0],), 70, jnp.int32))
   fn = lambda st, tok, c: model_lib.apply(graphdef, st, tok, cache=c, prefill=not decode).logits
   hlo = pallas_kernels.lower_for_gpu(fn, state, jax.ShapeDtypeStruct(tokens_shape, jnp.int32),
-                                     cache)
+                                     cache, arch=arch)
   return hlo.count("mosaic_gpu_v2")
 
 
@@ -100,6 +100,13 @@ def test_forward_lowers_with_every_kernel_for_sm90():
   assert _mosaic_calls(model, (2, 1), decode=True) == gemms + grouped + 2
   kernels_lib.set_kernels(model, "xla")
   assert _mosaic_calls(model, (2, 1), decode=True) == 0
+
+
+def test_decode_lowers_with_every_kernel_for_sm100():
+  """The decode step on Blackwell: every GEMM, grouped GEMM and the decode attention kernel."""
+  model = model_lib.init_model(aligned_config(), seed=0)
+  gemms, grouped = 4 * 7 + 1, 2 * 2
+  assert _mosaic_calls(model, (2, 1), decode=True, arch="sm100") == gemms + grouped + 2
 
 
 def test_kernels_switch_errors():
