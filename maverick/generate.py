@@ -10,6 +10,7 @@ device (tests check the compiled HLO has no host callback, send/recv or in/outfe
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -159,23 +160,49 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, req: Request, *, steps: 
 
 generate_jit = jax.jit(_generate, static_argnames=("graphdef", "steps", "capacity", "pad_id"))
 
-# Compiled programs by (static args, input avals): compiling ahead of the call lets callers see
-# compile time apart from generation time.
-_EXECUTABLES: dict = {}
+class ExecutableCache:
+  """Compiled programs by (static args, input avals), least recently used dropped past `maxsize`.
+
+  Compiling ahead of the call lets callers see compile time apart from generation time. Bounded:
+  every executable holds its machine code (on CPU, several memory mappings per fused kernel), so
+  a long session that sweeps many buckets must not keep them all."""
+
+  def __init__(self, maxsize: int = 16):
+    self.maxsize = maxsize
+    self._entries: collections.OrderedDict = collections.OrderedDict()
+
+  def get_or_compile(self, key, lower):
+    """(executable, seconds spent compiling now: 0.0 when cached); `lower()` -> jax Lowered."""
+    if key in self._entries:
+      self._entries.move_to_end(key)
+      return self._entries[key], 0.0
+    start = time.perf_counter()
+    exe = lower().compile()
+    self._entries[key] = exe
+    while len(self._entries) > self.maxsize:
+      self._entries.popitem(last=False)
+    return exe, time.perf_counter() - start
+
+  def clear(self) -> None:
+    self._entries.clear()
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+
+def avals_key(*trees) -> tuple:
+  leaves, treedef = jax.tree.flatten(trees)
+  return treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+
+
+_EXECUTABLES = ExecutableCache()
 
 
 def compiled_generate(graphdef, state, req: Request, *, steps: int, capacity: int, pad_id: int):
   """Returns (compiled executable, seconds spent compiling now: 0.0 when cached)."""
-  leaves, tree = jax.tree.flatten((state, req))
-  key = (graphdef, steps, capacity, pad_id, tree,
-         tuple((x.shape, x.dtype, x.sharding) for x in leaves))
-  if key in _EXECUTABLES:
-    return _EXECUTABLES[key], 0.0
-  start = time.perf_counter()
-  exe = generate_jit.lower(graphdef, state, req, steps=steps, capacity=capacity,
-                           pad_id=pad_id).compile()
-  _EXECUTABLES[key] = exe
-  return exe, time.perf_counter() - start
+  key = (graphdef, steps, capacity, pad_id, avals_key(state, req))
+  return _EXECUTABLES.get_or_compile(key, lambda: generate_jit.lower(
+      graphdef, state, req, steps=steps, capacity=capacity, pad_id=pad_id))
 
 
 @dataclasses.dataclass

@@ -146,23 +146,17 @@ spec_generate_jit = jax.jit(
     _spec_generate, static_argnames=("tgt_graphdef", "dr_graphdef", "k", "steps", "capacity",
                                      "pad_id", "tree"))
 
-_EXECUTABLES: dict = {}
+_EXECUTABLES = plain.ExecutableCache()
 
 
 def compiled_spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, *, k, steps,
                            capacity, pad_id, tree=None):
   """(compiled executable, seconds compiling now: 0.0 when cached)."""
-  leaves, treedef = jax.tree.flatten((tgt_state, dr_state, req))
-  key = (tgt_graphdef, dr_graphdef, k, steps, capacity, pad_id, tree, treedef,
-         tuple((x.shape, x.dtype, x.sharding) for x in leaves))
-  if key in _EXECUTABLES:
-    return _EXECUTABLES[key], 0.0
-  start = time.perf_counter()
-  exe = spec_generate_jit.lower(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, k=k,
-                                steps=steps, capacity=capacity, pad_id=pad_id,
-                                tree=tree).compile()
-  _EXECUTABLES[key] = exe
-  return exe, time.perf_counter() - start
+  key = (tgt_graphdef, dr_graphdef, k, steps, capacity, pad_id, tree,
+         plain.avals_key(tgt_state, dr_state, req))
+  return _EXECUTABLES.get_or_compile(key, lambda: spec_generate_jit.lower(
+      tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, k=k, steps=steps, capacity=capacity,
+      pad_id=pad_id, tree=tree))
 
 
 @dataclasses.dataclass

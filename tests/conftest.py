@@ -5,7 +5,19 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit
 import pathlib
+import shutil
+import tempfile
+
+# One persistent compilation cache per test session, shared by the xdist workers and the CLI /
+# notebook subprocesses they start (they inherit the environment): the scripts compile the same
+# programs as the in-process tests. Made fresh per session and removed at exit, so a run never
+# depends on an earlier one. MAVERICK_TEST_JAX_CACHE=0 turns it off.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("MAVERICK_TEST_JAX_CACHE") != "0":
+  _cache = tempfile.mkdtemp(prefix="maverick-tests-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import numpy as np
 import pytest
@@ -30,3 +42,18 @@ def hf_fixture():
 def fixture_model():
   from maverick.checkpoint import load_hf
   return load_hf(str(FIXTURE_DIR), dtype="float32")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops JAX's caches of compiled programs after each test module. XLA maps every CPU
+  executable's code separately and a long-lived xdist worker otherwise accumulates tens of
+  thousands of mappings: past vm.max_map_count (65530) the next compile segfaults."""
+  yield
+  import gc
+  import sys
+  for name in ("maverick.generate", "spec_decode.speculative"):
+    if name in sys.modules:
+      sys.modules[name]._EXECUTABLES.clear()
+  sys.modules["jax"].clear_caches()
+  gc.collect()

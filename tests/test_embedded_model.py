@@ -7,6 +7,7 @@ import json
 import os
 import tokenize
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,12 +57,15 @@ def test_greedy_is_deterministic_and_matches_stepwise_reference(tiny):
   b = generate(tiny.model, [prompt], max_new_tokens=n_new, stop_tokens=[]).tokens[0]
   assert a == b and len(a) == n_new
   graphdef, state = nnx.split(tiny.model)
-  seq = list(prompt)
-  for _ in range(n_new):
-    out = model_lib.apply(graphdef, state, jnp.asarray([seq]),
-                          logits_at=jnp.asarray([len(seq) - 1]))
-    seq.append(int(np.argmax(np.asarray(out.logits[0]))))
-  assert seq[len(prompt):] == a
+  # Full causal recompute over a fixed-length buffer (one compile): positions after the last real
+  # token cannot change the logits taken at it.
+  forward = jax.jit(lambda tokens, last: model_lib.apply(graphdef, state, tokens,
+                                                         logits_at=last).logits)
+  seq = np.zeros((1, len(prompt) + n_new), np.int32)
+  seq[0, :len(prompt)] = prompt
+  for t in range(len(prompt), len(prompt) + n_new):
+    seq[0, t] = int(np.argmax(np.asarray(forward(jnp.asarray(seq), jnp.asarray([t - 1])))))
+  assert seq[0, len(prompt):].tolist() == a
 
 
 def test_generates_plausible_python(tiny):

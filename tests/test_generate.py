@@ -132,3 +132,17 @@ def test_no_device_to_host_transfer_inside_call(fixture_model):
 def test_bad_input_is_rejected_clearly(fixture_model, prompts, kw, match):
   with pytest.raises(ValueError, match=match):
     gen.generate(fixture_model, prompts, **kw)
+
+
+def test_executable_cache_is_bounded_lru():
+  """Compiled programs are kept for reuse, but only the `maxsize` most recently used."""
+  cache = gen.ExecutableCache(maxsize=2)
+  lowered = {n: jax.jit(lambda x, n=n: x * n).lower(jnp.float32(1)) for n in (2, 3, 5)}
+  exe2, t = cache.get_or_compile("two", lambda: lowered[2])
+  assert t > 0 and float(exe2(jnp.float32(4))) == 8.0
+  cache.get_or_compile("three", lambda: lowered[3])
+  assert cache.get_or_compile("two", lambda: lowered[2]) == (exe2, 0.0)  # hit: now most recent
+  cache.get_or_compile("five", lambda: lowered[5])  # evicts "three", the least recently used
+  assert len(cache) == 2
+  assert cache.get_or_compile("two", lambda: lowered[2])[1] == 0.0
+  assert cache.get_or_compile("three", lambda: lowered[3])[1] > 0

@@ -8,7 +8,6 @@ output within 1e-5 of the row's max |value|; bf16 output within 2^-8 of it (one 
 2^-9 relative; twice that leaves room for the accumulation).
 """
 
-import time
 
 import jax
 import jax.numpy as jnp
