@@ -39,6 +39,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.decode_attention import stream
 from pallas_kernels.decode_attention.sm90 import LOG2E, NUM_BOUNDS, _fp8_to_bf16, _transforms
 
 BLOCK_M = 128  # the tcgen05 M of one CTA
@@ -122,12 +123,9 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
                s_tmem, o_tmem, meta_bar, k_bar, v_bar, ks_bar, vs_bar, k_free, v_free, mma_bar):
       @pl.when(wg == C)
       def _():
-        plgpu.copy_gmem_to_smem(q_g.at[bk, rows], q_s, meta_bar)
-        plgpu.copy_gmem_to_smem(pos_g.at[b, rows], pos_s, meta_bar)
-        plgpu.copy_gmem_to_smem(cs_g.at[b, rows], cs_s, meta_bar)
-        plgpu.copy_gmem_to_smem(bounds_g.at[b, split], bounds_s, meta_bar)
-        if has_tree:
-          plgpu.copy_gmem_to_smem(bits_g.at[b, :, rows], bits_s, meta_bar)
+        stream.load_metadata((q_g, pos_g, cs_g, bounds_g, bits_g),
+                             (q_s, pos_s, cs_s, bounds_s, bits_s), meta_bar, b=b, bk=bk,
+                             split=split, rows=rows)
       plgpu.barrier_wait(meta_bar)
       first_block = bounds_s[0]
       num_steps = bounds_s[1]
@@ -135,33 +133,10 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
       @pl.when(wg == C)
       def _producer():
         plgpu.set_max_registers(40, action="decrease")
-
-        def issue_k(step, slot):
-          kv = pl.ds((first_block + step) * block_kv, block_kv)
-          plgpu.copy_gmem_to_smem(k_g.at[b, kv, kh], k_s.at[slot], k_bar.at[slot])
-          if fp8:
-            plgpu.copy_gmem_to_smem(ks_g.at[b, kh, kv], ks_s.at[slot], ks_bar.at[slot])
-
-        def issue_v(step, slot):
-          kv = pl.ds((first_block + step) * block_kv, block_kv)
-          plgpu.copy_gmem_to_smem(v_g.at[b, kv, kh], v_s.at[slot], v_bar.at[slot])
-          if fp8:
-            plgpu.copy_gmem_to_smem(vs_g.at[b, kh, kv], vs_s.at[slot], vs_bar.at[slot])
-
-        for i in range(stages):
-          @pl.when(i < num_steps)
-          def _(i=i):
-            issue_k(jnp.int32(i), i)
-            issue_v(jnp.int32(i), i)
-
-        def refill(step, carry):
-          slot = lax.rem(step, jnp.int32(stages))
-          plgpu.barrier_wait(k_free.at[slot])  # released by the consumer of step - stages
-          issue_k(step, slot)
-          plgpu.barrier_wait(v_free.at[slot])
-          issue_v(step, slot)
-          return carry
-        lax.fori_loop(jnp.int32(stages), jnp.maximum(num_steps, stages), refill, None)
+        stream.stream_kv((k_g, v_g, ks_g, vs_g), (k_s, v_s, ks_s, vs_s),
+                         (k_bar, v_bar, ks_bar, vs_bar), (k_free, v_free), b=b, kh=kh,
+                         first_block=first_block, num_steps=num_steps, block_kv=block_kv,
+                         stages=stages)
 
       @pl.when(wg < C)
       def _consumer():
@@ -194,36 +169,15 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
             k_op = k_s.at[slot]
           mma_and_wait(my_s, q_s, k_op.T, False)
           s = plgpu.async_load_tmem(my_s, layout=layout)
+          k_scale_row = None
           if fp8:
             plgpu.barrier_wait(ks_bar.at[slot])
             k_scale_row = plgpu.load(ks_s.at[slot], layout=layout.reduce(0))
-            s = s * lax.broadcast_in_dim(k_scale_row * score_scale, shape, [1])
-          else:
-            s = s * score_scale
-
-          # Per-row vectors are re-read from SMEM each step rather than held as broadcasts
-          # across the loop (registers).
-          row = lambda ref: lax.broadcast_in_dim(plgpu.load(ref, layout=row_layout), shape, [0])
-          slot_ids = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
-          slot_ids = slot_ids + (first_block + step) * block_kv
-          visible = ((slot_ids <= row(pos_s)) & (slot_ids >= row(cs_s))
-                     & (slot_ids < tree_start))
-          if has_tree:
-            rel = slot_ids - tree_start
-            in_tree = (rel >= 0) & (slot_ids < tree_end)
-            bit = jnp.zeros(shape, jnp.int32)
-            for w in range(num_words):
-              shifted = lax.shift_right_logical(row(bits_s.at[w]), jnp.clip(rel - 32 * w, 0, 31))
-              bit = jnp.where((rel >= 32 * w) & (rel < 32 * (w + 1)), shifted & 1, bit)
-            visible = visible | (in_tree & (bit != 0))
-          s = jnp.where(visible, s, -jnp.inf)
-
-          m_new = jnp.maximum(m_i, s.max(axis=1))
-          # A row that has seen nothing yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
-          m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          alpha = jnp.exp2(m_i - m_safe)
-          p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, shape, [0]))
-          l_i = l_i * alpha + p.sum(axis=1)
+          s = stream.masked_scores(
+              s, layout=layout, score_scale=score_scale, k_scale_row=k_scale_row,
+              first_slot=(first_block + step) * block_kv, pos_s=pos_s, cs_s=cs_s, bits_s=bits_s,
+              tree_start=tree_start, tree_end=tree_end)
+          p, m_new, alpha, l_i = stream.softmax_step(s, m_i, l_i)
           plgpu.wait_load_tmem()  # S is in registers before the next step's MMA overwrites it
 
           @pl.when(j > 0)
