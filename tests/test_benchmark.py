@@ -14,11 +14,11 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import benchmark  # noqa: E402  (scripts/benchmark.py)
 from maverick.cli import UsageError  # noqa: E402
+from param_utils import single_device_env  # noqa: E402
 
 
 def _run(*args, timeout=300):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # one device, as a user runs it
+  env = dict(single_device_env(), JAX_PLATFORMS="cpu")  # one device, as a user runs it
   return subprocess.run([sys.executable, str(SCRIPT), "--noprogress", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=timeout)
 

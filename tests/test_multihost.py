@@ -2,7 +2,6 @@
 checkpoint into one global TP mesh and produce the same greedy tokens as 1 process x 8 devices."""
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -15,6 +14,7 @@ import maverick
 from maverick import generate as gen
 from maverick import sharding
 from maverick.checkpoint import convert_hf_to_orbax
+from param_utils import single_device_env
 
 WORKER = pathlib.Path(__file__).parent / "multihost_worker.py"
 
@@ -34,8 +34,7 @@ def test_two_processes_match_one_process(hf_fixture_dir, hf_fixture, tmp_path):
       rng.integers(0, 512, n).tolist() for n in (7, 19, 3)]
   (tmp_path / "prompts.json").write_text(json.dumps(prompts))
   port = _free_port()
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = single_device_env()  # the worker sets its own device count
   procs = [subprocess.Popen(
       [sys.executable, str(WORKER), str(i), "2", str(port), ckpt, str(tmp_path / f"out{i}.json"),
        str(tmp_path / "prompts.json")], env=env, stdout=subprocess.PIPE,

@@ -4,6 +4,7 @@ import os
 import pathlib
 
 import pytest
+from param_utils import single_device_env
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -31,7 +32,8 @@ def test_runs_top_to_bottom(monkeypatch):
   # kernel's own (inline) matplotlib backend so the plot is an output.
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
       p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                     + single_device_env()["XLA_FLAGS"])
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.delenv("MPLBACKEND", raising=False)
   client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",

@@ -2,7 +2,6 @@
 arrays and the KV-cache formula; bad input."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from maverick import config as config_lib
 from maverick import memory_plan
 from maverick import model as model_lib
 from maverick import sharding
+from param_utils import single_device_env
 
 SCRIPT = pathlib.Path(__file__).parent.parent / "scripts" / "plan_memory.py"
 
@@ -58,8 +58,7 @@ def test_fp8_weights_take_a_byte_plus_scales():
 
 
 def _run(*args):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = single_device_env()
   return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True,
                         text=True, timeout=300)
 
