@@ -6,8 +6,8 @@
   "xla"     the plain-jnp reference everywhere.
 
 Set it with `set_kernels(model, ...)` (or `maverick.load(..., kernels=...)`, `--kernels`). Calls a
-kernel does not take (an FP8 weight stored K-by-N, a head_dim other than 64/128, ...) always fall
-back to XLA, so one model mixes both. Each helper returns None when the caller should run its XLA
+kernel does not take (weight-only FP8, a head_dim other than 64/128, ...) always fall back to
+XLA, so one model mixes both. Each helper returns None when the caller should run its XLA
 path; the callers keep their XLA code as the reference.
 
 Sharded models: a Mosaic GPU custom call cannot be partitioned by XLA, so kernels would need
@@ -91,21 +91,37 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   return y.reshape(*batch, *w_out)
 
 
-def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str | None):
-  """Routed experts (unquantized) through the grouped GEMM kernels, or None: assignments sorted by
-  expert, gate/up + SwiGLU fused in one kernel, down in another, the weights read in the model's
-  (E, in, out) layout. Decode too: empty groups cost nothing, so there is no gather path."""
+def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str | None, *,
+                scales=None, quant=None):
+  """Routed experts through the grouped GEMM kernels, or None: assignments sorted by expert,
+  gate/up + SwiGLU fused in one kernel, down in another. BF16 experts are read in the declared
+  (E, in, out) layout; FP8 ones (`scales` = (gate, up, down) per-channel scales, all three set) in
+  the K-major layout they are stored in, each kernel's input rows quantized per token as the XLA
+  path does (weight-only FP8 has no kernel). Decode too: empty groups cost nothing, so there is
+  no gather path."""
   if kernels == "xla":
     return None
   from pallas_kernels import grouped_gemm
+  from maverick.quant import ops as quant_ops  # local: quant.ops calls into this module
   N, D = x_nd.shape
   k = top_idx.shape[-1]
-  E, _, F = gate_edf.shape
-  rows = jax.ShapeDtypeStruct((N * k, D), x_nd.dtype)
-  hidden = jax.ShapeDtypeStruct((N * k, F), x_nd.dtype)
-  ok = (gate_edf.dtype == up_edf.dtype == down_efd.dtype == x_nd.dtype
-        and grouped_gemm.pallas_support(rows, gate_edf, w_layout="ekn")[0]
-        and grouped_gemm.pallas_support(hidden, down_efd, w_layout="ekn")[0])
+  E = gate_edf.shape[0]
+  fp8 = scales is not None
+  F = gate_edf.shape[1] if fp8 else gate_edf.shape[2]
+  layout = "enk" if fp8 else "ekn"
+  in_dtype = quant_ops.FP8 if fp8 else x_nd.dtype
+  rows = jax.ShapeDtypeStruct((N * k, D), in_dtype)
+  hidden = jax.ShapeDtypeStruct((N * k, F), in_dtype)
+  row_scale = jax.ShapeDtypeStruct((N * k,), jnp.float32) if fp8 else None
+  if fp8:
+    ok = (all(s is not None for s in scales) and quant is not None and quant.quantize_activations
+          and gate_edf.dtype == up_edf.dtype == down_efd.dtype == quant_ops.FP8)
+  else:
+    ok = gate_edf.dtype == up_edf.dtype == down_efd.dtype == x_nd.dtype
+  ok = (ok and grouped_gemm.pallas_support(rows, gate_edf, x_scale=row_scale,
+                                           w_scale=scales and scales[0], w_layout=layout)[0]
+        and grouped_gemm.pallas_support(hidden, down_efd, x_scale=row_scale,
+                                        w_scale=scales and scales[2], w_layout=layout)[0])
   if not use_pallas(kernels, ok):
     return None
   flat_expert = top_idx.reshape(-1)
@@ -113,10 +129,20 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   token = order // k
   x_sorted = x_nd[token] * scores.reshape(-1)[order][:, None]  # the score scales the INPUT
   group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-  h = grouped_gemm.grouped_swiglu(x_sorted, gate_edf, up_edf, group_sizes, w_layout="ekn",
+
+  def rows_in(a):  # (kernel input, its per-row scale)
+    if not fp8:
+      return a, None
+    return quant_ops.quantize_rows(a, (-1,), quant.activation_scale_ub)
+
+  s_gate, s_up, s_down = scales if fp8 else (None, None, None)
+  xq, x_scale = rows_in(x_sorted)
+  h = grouped_gemm.grouped_swiglu(xq, gate_edf, up_edf, group_sizes, x_scale=x_scale,
+                                  gate_scale=s_gate, up_scale=s_up, w_layout=layout,
                                   out_dtype=x_nd.dtype, implementation="pallas")
-  y = grouped_gemm.grouped_matmul(h, down_efd, group_sizes, w_layout="ekn",
-                                  out_dtype=x_nd.dtype, implementation="pallas")
+  hq, h_scale = rows_in(h)
+  y = grouped_gemm.grouped_matmul(hq, down_efd, group_sizes, x_scale=h_scale, w_scale=s_down,
+                                  w_layout=layout, out_dtype=x_nd.dtype, implementation="pallas")
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
 
 

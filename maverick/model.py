@@ -53,15 +53,19 @@ def linear_weight(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | Non
   """A weight contracted over `in_axes`, and its scale param or None.
 
   When `quant` quantizes `name` (see maverick.quant.config) the weight is stored float8_e4m3fn
-  and the scale is f32 over the remaining (output-channel) axes, with their logical axes, so
-  sharding and restore come from the declarations as for any weight. Otherwise this is `weight`.
+  and K-major (`quant.to_kmajor`: output axes, then the `in_axes`, as FP8 tensor cores read it;
+  its logical axes permuted alike), and the scale is f32 over the output-channel axes, with their
+  logical axes, so sharding and restore come from the declarations as for any weight. `shape`,
+  `axes` and `in_axes` always describe the declared layout. Otherwise this is `weight`.
   """
   w = weight(rngs, shape, axes, dtype, fan_in=fan_in)
   if quant is None or not quant.quantizes(name):
     return w, None
   q, s = quant_lib.quantize_weight(w[...], in_axes)
+  order = quant_lib.kmajor_order(len(shape), in_axes)
   out_axes = tuple(a for i, a in enumerate(axes) if i not in in_axes)
-  return (nnx.Param(q, logical_axes=tuple(axes), fp8_in_axes=tuple(in_axes), quant_name=name),
+  return (nnx.Param(quant_lib.to_kmajor(q, in_axes), logical_axes=tuple(axes[i] for i in order),
+                    fp8_in_axes=tuple(in_axes), quant_name=name),
           nnx.Param(s, logical_axes=out_axes))
 
 
@@ -459,6 +463,14 @@ class Llama4(nnx.Module):
       return rows
     scale = jnp.take(self.embed_scale[...], tokens_bt, axis=0)[..., None]
     return (rows.astype(jnp.float32) * scale).astype(self.config.dtype)
+
+  def output_projection(self) -> jax.Array:
+    """The [D, V] output projection in the model dtype, dequantized if FP8 (stored [V, D])."""
+    w, scale = ((self.embed, self.embed_scale) if self.config.tie_word_embeddings
+                else (self.lm_head, self.lm_head_scale))
+    if scale is not None:
+      return quant_lib.dequantize(w[...], scale[...], (1,), jnp.dtype(self.config.dtype)).T
+    return w[...].T if self.config.tie_word_embeddings else w[...]
 
   def logits(self, x_btd):
     x = self.final_norm(x_btd)

@@ -47,16 +47,23 @@ def default_tile_m(num_rows: int, num_groups: int) -> int:
 
 
 def grouped_matmul(x_ad: jax.Array, w_edf: jax.Array, group_sizes: jax.Array, *,
-                   tile_m: int | None = None, impl: str = "tiles") -> jax.Array:
+                   tile_m: int | None = None, impl: str = "tiles", kmajor: bool = False
+                   ) -> jax.Array:
   """out[a] = x[a] @ w[group(a)] for rows sorted by group; group_sizes [E] sums to A.
+  kmajor: w is stored [E, F, D] (FP8 experts are), and out[a] = x[a] @ w[group(a)].T.
 
   Returns float32 [A, F] (accumulation dtype); empty groups are allowed.
   """
   A, D = x_ad.shape
-  E, _, F = w_edf.shape
+  E = w_edf.shape[0]
+  F = w_edf.shape[1] if kmajor else w_edf.shape[2]
+  w_dim_d = 2 if kmajor else 1
   if impl == "ragged_dot":
-    return jax.lax.ragged_dot(x_ad, _operand(w_edf, x_ad.dtype), group_sizes,
-                              preferred_element_type=jnp.float32)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (w_dim_d,)), ((), ())), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(x_ad, _operand(w_edf, x_ad.dtype), group_sizes, dims,
+                                      preferred_element_type=jnp.float32)
   if impl != "tiles":
     raise ValueError(f"unknown MoE implementation {impl!r}; choose one of {MOE_IMPLS}")
   tm = tile_m or default_tile_m(A, E)
@@ -80,8 +87,9 @@ def grouped_matmul(x_ad: jax.Array, w_edf: jax.Array, group_sizes: jax.Array, *,
     x_md, group, is_active = args
     return jax.lax.cond(
         is_active,
-        lambda: jnp.dot(x_md, _operand(w_edf[group], x_md.dtype),
-                        preferred_element_type=jnp.float32),
+        lambda: jax.lax.dot_general(x_md, _operand(w_edf[group], x_md.dtype),
+                                    (((1,), (w_dim_d - 1,)), ((), ())),
+                                    preferred_element_type=jnp.float32),
         lambda: jnp.zeros((tm, F), jnp.float32))
 
   y_tiles = jax.lax.map(one_tile, (x_tiles, tile_group, active))  # [tiles, tm, F]
@@ -112,21 +120,22 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
                 quant=None, kernels: str | None = "xla") -> jax.Array:
   """Sum over the k chosen experts of Expert_e(score * x) (the score scales the expert INPUT).
 
-  scales: (gate [E,F], up [E,F], down [E,D]) per-expert per-output-channel scales of FP8 expert
-  weights (None entries: that weight is unquantized); `quant` says whether activations are
-  quantized per token.
+  The weights are named by their declared layout (gate/up [E,D,F], down [E,F,D]); an FP8 one is
+  stored K-major (gate/up [E,F,D], down [E,D,F]; see maverick.quant.to_kmajor). scales: (gate
+  [E,F], up [E,F], down [E,D]) per-expert per-output-channel scales of FP8 expert weights (None
+  entries: that weight is unquantized); `quant` says whether activations are quantized per token.
 
   With at most one assignment per expert on average (decode and verification steps) the chosen
   weights are gathered; otherwise tokens are sorted by expert for a grouped matmul (`impl`).
-  `kernels` (see maverick.kernels): the Pallas grouped GEMM for unquantized experts; FP8 experts
-  stay on XLA until they are stored K-major, as FP8 tensor cores need."""
+  `kernels` (see maverick.kernels): the Pallas grouped GEMM kernels, BF16 or FP8 experts."""
   N, D = x_nd.shape
   k = top_idx.shape[-1]
   E = gate_edf.shape[0]
   quantized = scales is not None and any(s is not None for s in scales)
-  if kernels != "xla" and not quantized:
+  if kernels != "xla":
     from maverick import kernels as kernels_lib  # local: it imports pallas_kernels lazily too
-    y = kernels_lib.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels)
+    y = kernels_lib.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels,
+                                scales=scales if quantized else None, quant=quant)
     if y is not None:
       return y
   if quantized:
@@ -173,9 +182,9 @@ def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl):
       return grouped_matmul(a, w, group_sizes, impl=impl)
     if quant is not None and quant.quantize_activations:
       aq, a_scale = quant_lib.quantize_rows(a, (-1,), quant.activation_scale_ub)
-      acc = grouped_matmul(aq, w, group_sizes, impl=impl) * a_scale[:, None]
+      acc = grouped_matmul(aq, w, group_sizes, impl=impl, kmajor=True) * a_scale[:, None]
     else:
-      acc = grouped_matmul(a, w, group_sizes, impl=impl)
+      acc = grouped_matmul(a, w, group_sizes, impl=impl, kmajor=True)
     return acc * s[expert_sorted].astype(jnp.float32)
 
   a = z[order]

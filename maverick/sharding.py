@@ -34,6 +34,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from maverick.quant import ops as quant_ops
+
 # logical axis -> mesh axis (or None = replicated)
 Rules = Mapping[str, str | tuple[str, ...] | None]
 
@@ -299,10 +301,21 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
     return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s
 
   scale_specs = lambda ss, specs: tuple(None if s is None else p for s, p in zip(ss, specs))
+
+  def w_spec(declared, scale):  # an FP8 weight is stored K-major: its input axis moved last
+    if scale is None:
+      return P(*declared)
+    return P(*(declared[i] for i in quant_ops.kmajor_order(len(declared), (len(declared) - 2,))))
+
+  e_gate, e_up, e_down = scales
+  s_gate, s_up, s_down = shared_scales
   f = jax.shard_map(
       local, mesh=plan.mesh,
-      in_specs=(P(rows, None), P(None, None), P(ex, None, tp), P(ex, None, tp), P(ex, tp, None),
-                P(None, tp), P(None, tp), P(tp, None), None if router_scale is None else P(None),
+      in_specs=(P(rows, None), P(None, None),
+                w_spec((ex, None, tp), e_gate), w_spec((ex, None, tp), e_up),
+                w_spec((ex, tp, None), e_down), w_spec((None, tp), s_gate),
+                w_spec((None, tp), s_up), w_spec((tp, None), s_down),
+                None if router_scale is None else P(None),
                 scale_specs(scales, (P(ex, tp), P(ex, tp), P(ex, None))),
                 scale_specs(shared_scales, (P(tp), P(tp), P(None)))),
       out_specs=P(rows, None), check_vma=False)

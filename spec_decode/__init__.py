@@ -44,8 +44,7 @@ def load_draft(source: str, target=None, *, dtype: str | None = None) -> Eagle3D
     return load_native_draft(path, dtype=dtype, target_config=tcfg)
   if tcfg is None:
     raise ValueError("importing an EAGLE-3 checkpoint needs the target model (target=...)")
-  head = target.embed[...].T if tcfg.tie_word_embeddings else target.lm_head[...]
-  return import_eagle3(path, tcfg, dtype=dtype, target_lm_head=head)
+  return import_eagle3(path, tcfg, dtype=dtype, target_lm_head=target.output_projection())
 
 
 __all__ = ["DraftConfigError", "EMBEDDED_DRAFTS", "Eagle3Config", "Eagle3Draft", "SpecGeneration",

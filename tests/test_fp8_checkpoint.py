@@ -141,7 +141,8 @@ def test_compressed_tensors_import(compressed, compressed_model, hf_config, hf_f
   gate = params[("layers", 3, "ffn", "gate")]
   assert gate.dtype == jnp.float8_e4m3fn
   p = "model.layers.3.feed_forward.experts."
-  want = np.stack([stored[f"{p}{e}.gate_proj.weight"].T for e in range(gate.shape[0])])
+  # FP8 experts are kept K-major, [E, out, in]: the HF tensors stacked bit for bit
+  want = np.stack([stored[f"{p}{e}.gate_proj.weight"] for e in range(gate.shape[0])])
   np.testing.assert_array_equal(gate.view(np.uint8), want.view(np.uint8))
   np.testing.assert_array_equal(params[("layers", 3, "ffn", "down_scale")][5],
                                 stored[f"{p}5.down_proj.weight_scale"][:, 0].astype(np.float32))

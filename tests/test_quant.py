@@ -103,10 +103,28 @@ def test_einsum_matches_float64_reference(spec, xs, ws, in_axes, x_axes, activat
   q, s = quant.quantize_weight(w64.astype(np.float32), in_axes)
   w_deq = np.asarray(quant.dequantize(q, s, in_axes), np.float64)
   qc = quant.QuantConfig(activations=activations)
-  got = np.asarray(quant.einsum(spec, jnp.asarray(x64, jnp.float32), q, s, qc), np.float64)
+  # FP8 weights are stored K-major; the spec names the declared layout
+  got = np.asarray(quant.einsum(spec, jnp.asarray(x64, jnp.float32), quant.to_kmajor(q, in_axes),
+                                s, qc), np.float64)
   x_ref = _ref_rows(x64, x_axes) if activations != "none" else x64.astype(np.float32)
   want = np.einsum(spec, x_ref.astype(np.float64), w_deq)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("shape,in_axes,stored", [
+    ((32, 4, 8), (0,), (4, 8, 32)),          # q/k/v: D -> (H, Dh, D)
+    ((4, 8, 32), (0, 1), (32, 4, 8)),        # o: (H, Dh) -> D
+    ((6, 32, 16), (1,), (6, 16, 32)),        # experts: (E, D, F) -> (E, F, D)
+    ((40, 32), (1,), (40, 32)),              # the embedding is K-major already
+])
+def test_kmajor_layout(shape, in_axes, stored):
+  """Output axes first, contracted axes last, and from_kmajor undoes it."""
+  w = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+  k = quant.to_kmajor(w, in_axes)
+  assert k.shape == stored
+  out_axes = [a for a in range(len(shape)) if a not in in_axes]
+  np.testing.assert_array_equal(k, np.transpose(w, out_axes + list(in_axes)))
+  np.testing.assert_array_equal(quant.from_kmajor(k, in_axes), w)
 
 
 def test_einsum_without_scale_is_jnp_einsum():
@@ -186,7 +204,7 @@ def test_config_records_quant():
 
 def test_fp8_dot_is_jittable():
   q, s = quant.quantize_weight(np.ones((16, 8), np.float32), (0,))
-  f = jax.jit(lambda x: quant.einsum("nd,df->nf", x, q, s, quant.QuantConfig()))
+  f = jax.jit(lambda x: quant.einsum("nd,df->nf", x, q.T, s, quant.QuantConfig()))
   assert f(jnp.ones((2, 16), jnp.bfloat16)).dtype == jnp.bfloat16
 
 

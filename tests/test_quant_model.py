@@ -18,7 +18,7 @@ from maverick import generate as gen
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
 from maverick import quant
-from maverick.checkpoint import load_orbax, save_orbax
+from maverick.checkpoint import CheckpointError, load_orbax, save_orbax
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -64,6 +64,18 @@ def test_quantized_params_and_metadata(f32_model):
   _, state = nnx.split(fp8)
   meta = dict(nnx.to_flat_state(state))[("layers", 1, "ffn", "gate_scale")].get_metadata()
   assert meta["logical_axes"] == ("experts", "expert_mlp")
+  # FP8 weights are K-major: output axes first, the contracted axes last, logical axes alike.
+  flat = dict(nnx.to_flat_state(state))
+  for path, shape, axes in [
+      (("layers", 1, "ffn", "gate"), (8, 48, 64), ("experts", "expert_mlp", "embed")),
+      (("layers", 1, "ffn", "down"), (8, 64, 48), ("experts", "embed", "expert_mlp")),
+      (("layers", 0, "attn", "q"), (4, 32, 64), ("q_heads", "head_dim", "embed")),
+      (("layers", 0, "attn", "o"), (64, 4, 32), ("embed", "q_heads", "head_dim"))]:
+    assert params[path].shape == shape and flat[path].get_metadata()["logical_axes"] == axes
+  bf16_gate = np.asarray(f32_model.layers[1].ffn.gate[...])  # [E, D, F]
+  want = np.swapaxes(bf16_gate / params[("layers", 1, "ffn", "gate_scale")][:, None, :], 1, 2)
+  np.testing.assert_array_equal(params[("layers", 1, "ffn", "gate")],
+                                want.astype(jnp.float8_e4m3fn))
 
 
 def test_dynamic_activations_smoke(f32_model):
@@ -94,7 +106,8 @@ def test_fp8_moe_experts_match_float64_reference(impl, N):
   top = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
   scores = rng.uniform(0.2, 1.0, (N, k)).astype(np.float32)
   got = moe.moe_experts(jnp.asarray(x), jnp.asarray(top), jnp.asarray(scores),
-                        *[q for q, _ in qs], impl=impl, scales=tuple(s for _, s in qs),
+                        *[quant.to_kmajor(q, (1,)) for q, _ in qs], impl=impl,  # as stored
+                        scales=tuple(s for _, s in qs),
                         quant=quant.QuantConfig())
 
   def rows(a):  # float64 per-row e4m3 quantize-dequantize
@@ -216,6 +229,11 @@ def test_fp8_checkpoint_half_the_bytes_and_round_trips(bf16_checkpoint, tmp_path
   ratio = _dir_bytes(out) / _dir_bytes(src)
   assert ratio < 0.6, ratio
   assert abs(ratio - params_fp8 / params_bf16) < 0.05, (ratio, params_fp8 / params_bf16)
+  # A format-1 FP8 checkpoint (FP8 weights stored (in, out)) is refused, naming the fix.
+  meta["format"] = "maverick-orbax/1"
+  (pathlib.Path(out) / "maverick.json").write_text(json.dumps(meta))
+  with pytest.raises(CheckpointError, match="scripts/quantize.py"):
+    load_orbax(out)
 
 
 def test_fp8_checkpoint_sharded_restore(bf16_checkpoint, tmp_path):

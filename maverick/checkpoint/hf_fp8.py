@@ -29,6 +29,7 @@ from tqdm import tqdm
 from maverick import config as config_lib
 from maverick import model as model_lib
 from maverick import quant as quant_lib
+from maverick.quant import convert as quant_convert
 from maverick.checkpoint import hf
 from maverick.checkpoint.hf import CheckpointError, Path
 
@@ -222,8 +223,10 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, hf_dir: str
   dtype = jnp.dtype(cfg.dtype)
   st = _Stored(ckpt)
   names = _quant_names(cfg)
+  every_fp8 = cfg.replace(quant=quant_lib.QuantConfig(skip=()))
   abstract_every = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.split(
-      model_lib.abstract_model(cfg.replace(quant=quant_lib.QuantConfig(skip=()))))[1])}
+      model_lib.abstract_model(every_fp8))[1])}
+  in_axes = quant_convert.fp8_declarations(every_fp8)
   F, E = cfg.intermediate_size, cfg.num_local_experts
   items: list[Item] = []
   fp8_paths: set[Path] = set()
@@ -262,7 +265,7 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, hf_dir: str
     stored_scale = st.use(scale)
     fp8_paths.update(paths)
     items.append(Item(paths[0], (stored, stored_scale),
-                      _fp8_build(stored, stored_scale, src, cut, scale_shape)))
+                      _fp8_build(stored, stored_scale, src, cut, scale_shape, in_axes)))
 
   if missing:
     more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -314,13 +317,15 @@ def _bf16_build(stored, src: hf.Source, dtype):
   return build
 
 
-def _fp8_build(stored, stored_scale, src: hf.Source, cut, scale_shape):
+def _fp8_build(stored, stored_scale, src: hf.Source, cut, scale_shape, in_axes):
+  """Our FP8 weights are K-major (maverick.quant.to_kmajor): HF linears are already ([out, in]),
+  so for them the two transposes cancel; fused fbgemm experts are (E, in, out) and get one."""
   def build(raw):
     q = _checked_fp8(stored, raw[stored])
     s = _checked_scale(stored_scale, raw[stored_scale])
     out = {}
     for i, t in enumerate(src.targets):
-      out[t.path] = t.transform(q)
+      out[t.path] = np.ascontiguousarray(quant_lib.to_kmajor(t.transform(q), in_axes[t.path]))
       sp = t.path[:-1] + (f"{t.path[-1]}_scale",)
       out[sp] = (s if cut is None else cut(s, i)).reshape(scale_shape(t.path)).astype(np.float32)
     return out
@@ -330,7 +335,8 @@ def _fp8_build(stored, stored_scale, src: hf.Source, cut, scale_shape):
 def _per_expert_items(st: _Stored, canonical: str, src: hf.Source, cfg, dtype, fp8_paths,
                       scale_shape) -> list[Item]:
   """compressed-tensors experts: E tensors `experts.{e}.{proj}_proj.weight` [out, in] per target,
-  stacked into our [E, in, out] layout; scales [out, 1] into [E, out]."""
+  stacked into our [E, in, out] layout (BF16) or, as they are, into K-major [E, out, in] (FP8);
+  scales [out, 1] into [E, out]."""
   D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
   base = canonical[:-len("gate_up_proj")] if canonical.endswith("gate_up_proj") else \
       canonical[:-len("down_proj")]
@@ -367,7 +373,7 @@ def _stack_build(path, reads, scales, dtype, scale_shape):
     if not scales:
       w = np.stack([_checked_float(n, raw[n]).T for n in reads])
       return {path: w.astype(dtype)}
-    q = np.stack([_checked_fp8(n, raw[n]).T for n in reads])
+    q = np.stack([_checked_fp8(n, raw[n]) for n in reads])
     s = np.stack([_checked_scale(n, raw[n])[:, 0] for n in scales])
     return {path: np.ascontiguousarray(q),
             path[:-1] + (f"{path[-1]}_scale",): s.reshape(scale_shape(path))}

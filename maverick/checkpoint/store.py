@@ -29,7 +29,10 @@ from maverick import sharding as sharding_lib
 from maverick.checkpoint import hf, hf_fp8
 from maverick.checkpoint.hf import CheckpointError
 
-FORMAT = "maverick-orbax/1"
+FORMAT = "maverick-orbax/2"
+# Version 1 stored FP8 weights in the declared (input, output) layout; version 2 stores them K-major.
+# BF16 checkpoints are the same in both.
+FORMAT_V1 = "maverick-orbax/1"
 META_FILE = "maverick.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -193,8 +196,10 @@ def is_orbax_checkpoint(path: str) -> bool:
   return os.path.isfile(os.path.join(path, META_FILE))
 
 
-def read_format_json(path: str, meta_file: str, fmt: str, what: str, fix: str) -> dict:
-  """Reads the JSON that marks a directory as one of our formats, checking its format tag."""
+def read_format_json(path: str, meta_file: str, fmt: str | tuple[str, ...], what: str, fix: str
+                     ) -> dict:
+  """Reads the JSON that marks a directory as one of our formats, checking its format tag (`fmt`:
+  the tag, or the tags this version reads)."""
   meta_path = os.path.join(path, meta_file)
   try:
     with open(meta_path) as f:
@@ -204,14 +209,21 @@ def read_format_json(path: str, meta_file: str, fmt: str, what: str, fix: str) -
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{meta_path} is not valid JSON ({e})") from None
   got = meta.get("format") if isinstance(meta, dict) else None
-  if got != fmt:
+  if got not in ((fmt,) if isinstance(fmt, str) else fmt):
     raise CheckpointError(f"{meta_path}: format {got!r}, expected {fmt!r}")
   return meta
 
 
 def read_meta(path: str) -> dict:
-  return read_format_json(path, META_FILE, FORMAT, "a maverick checkpoint",
+  meta = read_format_json(path, META_FILE, (FORMAT, FORMAT_V1), "a maverick checkpoint",
                           "convert a HF checkpoint with scripts/convert_hf.py")
+  quant = meta.get("config", {}).get("quant") or {}
+  if meta["format"] == FORMAT_V1 and quant.get("weights") is not None:
+    raise CheckpointError(
+        f"{path} is an FP8 checkpoint in format {FORMAT_V1!r}, whose FP8 weights are stored "
+        f"(input, output); this version stores them K-major ({FORMAT!r}). Re-create it with "
+        "scripts/quantize.py from its BF16 source (or load the HF FP8 checkpoint directly)")
+  return meta
 
 
 def _assemble(cfg: config_lib.Config, arrays: Mapping[tuple, jax.Array],

@@ -21,9 +21,12 @@ from maverick.quant.ops import (
   check_finite,
   dequantize,
   einsum,
+  from_kmajor,
+  kmajor_order,
   quantize_kv,
   quantize_rows,
   quantize_weight,
+  to_kmajor,
 )
 
 __all__ = [
@@ -40,11 +43,14 @@ __all__ = [
   "dequantize",
   "dequantize_model",
   "einsum",
+  "from_kmajor",
+  "kmajor_order",
   "quantize_checkpoint",
   "quantize_kv",
   "quantize_model",
   "quantize_rows",
   "quantize_weight",
+  "to_kmajor",
 ]
 
 

@@ -2,11 +2,12 @@
 
 Which weights become FP8, and over which axes each is contracted, comes from the model's own
 declarations (`maverick.model.linear_weight` tags each FP8 weight with `fp8_in_axes`), so nothing here
-knows layer structure.
+knows layer structure. FP8 weights are stored K-major (`to_kmajor`); BF16 ones as declared.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 
@@ -18,14 +19,25 @@ from tqdm import tqdm
 from maverick import config as config_lib
 from maverick import model as model_lib
 from maverick.quant.config import QuantConfig
-from maverick.quant.ops import FP8, QuantError, dequantize, quantize_weight
+from maverick.quant.ops import (FP8, QuantError, dequantize, from_kmajor, quantize_weight,
+                                to_kmajor)
 
 
 def scale_path(path: tuple) -> tuple:
   return path[:-1] + (f"{path[-1]}_scale",)
 
 
-_quantize = jax.jit(quantize_weight, static_argnums=1)
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize(w, in_axes):
+  q, scale = quantize_weight(w, in_axes)
+  return to_kmajor(q, in_axes), scale
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _dequantize(q_kmajor, scale, in_axes, dtype):
+  n = len(in_axes)
+  stored_in = tuple(range(q_kmajor.ndim - n, q_kmajor.ndim))
+  return from_kmajor(dequantize(q_kmajor, scale, stored_in, dtype), in_axes)
 
 
 def _check_finite(name: str, x) -> None:
@@ -38,7 +50,8 @@ def _check_finite(name: str, x) -> None:
 
 
 def fp8_declarations(cfg: config_lib.Config, moe_impl: str = "tiles") -> dict[tuple, tuple]:
-  """{weight path: contracted (input) axes} for every weight that `cfg.quant` stores in FP8."""
+  """{weight path: contracted (input) axes of its declared layout} for every weight that
+  `cfg.quant` stores in FP8."""
   _, abstract = nnx.split(model_lib.abstract_model(cfg, moe_impl=moe_impl))
   return {p: tuple(v.get_metadata()["fp8_in_axes"]) for p, v in nnx.to_flat_state(abstract)
           if "fp8_in_axes" in v.get_metadata()}
@@ -58,8 +71,8 @@ def _assemble(cfg, arrays, moe_impl):
 
 
 def quantize_params(flat: dict, fp8: dict[tuple, tuple], *, name) -> dict:
-  """{path: array} -> the same with every path in `fp8` replaced by its e4m3 weight and scale;
-  `name(path)` names a weight in errors."""
+  """{path: array} -> the same with every path in `fp8` replaced by its e4m3 weight (K-major) and
+  scale; `name(path)` names a weight in errors."""
   out = {}
   for p, x in flat.items():
     if p in fp8:
@@ -102,7 +115,7 @@ def dequantize_model(model: model_lib.Llama4, dtype: str | None = None, *,
   arrays = {}
   for p, x in flat.items():
     if p in fp8:
-      arrays[p] = dequantize(x, flat[scale_path(p)], fp8[p], jnp.dtype(new_cfg.dtype))
+      arrays[p] = _dequantize(x, flat[scale_path(p)], fp8[p], jnp.dtype(new_cfg.dtype))
     elif p[-1].endswith("_scale") and p[:-1] + (p[-1][:-len("_scale")],) in fp8:
       continue
     else:

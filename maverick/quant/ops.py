@@ -46,6 +46,31 @@ def quantize_weight(w, in_axes: Sequence[int]) -> tuple[jax.Array, jax.Array]:
   return _to_fp8(wf / scale), jnp.squeeze(scale, axis=axes)
 
 
+def kmajor_order(ndim: int, in_axes: Sequence[int]) -> tuple[int, ...]:
+  """The axis order an FP8 weight is stored in: its output axes, then its contracted (input) axes,
+  each group in declaration order. FP8 tensor cores (wgmma, tcgen05) read only K-major operands."""
+  ins = tuple(sorted(a % ndim for a in in_axes))
+  return tuple(a for a in range(ndim) if a not in ins) + ins
+
+
+def to_kmajor(w, in_axes: Sequence[int]):
+  """A weight in its declared (input..., output...) layout -> the K-major layout FP8 is stored in."""
+  return w.transpose(kmajor_order(w.ndim, in_axes))
+
+
+def from_kmajor(w_kmajor, in_axes: Sequence[int]):
+  """Inverse of `to_kmajor`: `in_axes` are the contracted axes of the declared layout."""
+  return w_kmajor.transpose(np.argsort(kmajor_order(w_kmajor.ndim, in_axes)))
+
+
+def kmajor_spec(spec: str, ndim_x: int) -> str:
+  """The einsum spec of a weight stored K-major, from the spec of its declared layout."""
+  xs, ws, out = _expand_ellipsis(spec, ndim_x)
+  contracted = [c for c in ws if c in xs and c not in out]
+  kept = "".join(c for c in ws if c not in contracted)
+  return f"{xs},{kept}{''.join(contracted)}->{out}"
+
+
 def dequantize(q, scale, in_axes: Sequence[int], dtype=jnp.float32) -> jax.Array:
   q = jnp.asarray(q)
   axes = tuple(a % q.ndim for a in in_axes)
@@ -117,12 +142,17 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
            ) -> jax.Array:
   """`jnp.einsum(spec, x, w)`, with `w` in FP8 when `scale` is given.
 
-  Without a scale this IS jnp.einsum (the unquantized model is bit-identical). With one, `scale` has
-  w's non-contracted axes (per output channel); per `quant.activations`, x is quantized per token
-  over its contracted axes (FP8 x FP8) or kept (weight-only, w upcast to x's dtype). The product
+  Without a scale this IS jnp.einsum (the unquantized model is bit-identical). With one, w is FP8
+  stored K-major (`to_kmajor`): `spec` still names the declared layout (the same spec serves a
+  BF16 and an FP8 model) and the array holds its output axes first, then its contracted axes.
+  `scale` has w's non-contracted axes (per output channel); per `quant.activations`, x is
+  quantized per token over its contracted axes (FP8 x FP8) or kept (weight-only, w upcast to x's
+  dtype). The product
   accumulates in f32; scales are applied to the accumulator; the result has x's dtype.
   `kernels` (see maverick.kernels): None/"pallas" run the Pallas GEMM where it takes the call.
   """
+  if scale is not None:
+    spec = kmajor_spec(spec, x.ndim)
   if kernels != "xla":
     from maverick import kernels as kernels_lib  # local: it imports this module
     y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype)

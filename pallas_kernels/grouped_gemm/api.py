@@ -3,8 +3,8 @@
     grouped_matmul(x[A, K], w[E, N, K], group_sizes[E] int32, *, x_scale[A] | None,
                    w_scale[E, N] | None, out_dtype=bf16, implementation=None) -> [A, N]
 
-Weights are stored K-major per expert, (E, N, K), as FP8 tensor cores want (maverick.moe keeps
-(E, D, F) = (E, K, N): swap the last two axes once at load time). group_sizes is a device array;
+Weights are stored K-major per expert, (E, N, K), as FP8 tensor cores want (maverick stores FP8
+experts so; BF16 experts stay (E, D, F) = (E, K, N) and are read as stored with w_layout="ekn"). group_sizes is a device array;
 it should sum to <= A (rows past the sum are 0; a larger sum is clipped at A). Empty groups are
 fine. FP8: e4m3 x and w with per-row activation scales x_scale and per-expert per-output-channel
 weight scales w_scale, both applied to the f32 accumulator.
