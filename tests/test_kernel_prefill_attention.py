@@ -86,11 +86,22 @@ def test_sm90_kernel_interpret(B, T, H, K, Dh, chunk_size, lengths, config):
   assert_matches(out, q, k, v, lengths, chunk_size)
 
 
-# sm100 (tcgen05, TMEM): one CTA = 128 packed rows; chunk boundary inside a block, lengths 0, GQA 5.
+# sm100 (tcgen05, TMEM, TMA producer warpgroup + 1 or 2 compute warpgroups of 128 rows each): chunk
+# boundary inside a block, lengths 0 and 1, GQA 5 with odd T, more KV blocks than ring slots (the
+# ring wraps, with 1 and 2 consumers per slot), 2 compute warpgroups taking turns.
+C100 = sm100.Config
+
 @pytest.mark.parametrize("B,T,H,K,Dh,chunk_size,lengths,config", [
-    pytest.param(2, 80, 4, 1, 64, 48, [80, 0], sm100.Config(block_kv=64), id="chunk48-G4-len0"),
-    pytest.param(1, 160, 5, 1, 128, None, [150], sm100.Config(block_kv=64, num_stages=1),
+    pytest.param(2, 80, 4, 1, 64, 48, [80, 0], C100(num_stages=2, num_compute_wgs=1),
+                 id="chunk48-G4-len0"),
+    pytest.param(1, 160, 5, 1, 128, None, [150], C100(num_stages=1, num_compute_wgs=1),
                  id="dh128-global-G5-unmasked-block"),
+    pytest.param(1, 256, 1, 1, 64, None, [251], C100(num_stages=2, num_compute_wgs=1),
+                 id="global-G1-T256-ring-wraps"),
+    pytest.param(2, 37, 5, 1, 64, 32, [0, 1], C100(num_stages=2, num_compute_wgs=1),
+                 id="chunk32-G5-T37-len0-len1"),
+    pytest.param(1, 200, 2, 1, 64, 96, [197], C100(num_stages=2, num_compute_wgs=2),
+                 id="chunk96-G2-2wg-ping-pong-ring-wraps"),
 ])
 def test_sm100_kernel_interpret(B, T, H, K, Dh, chunk_size, lengths, config):
   q, k, v = make_inputs(B, T, H, K, Dh, seed=4)

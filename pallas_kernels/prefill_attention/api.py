@@ -10,8 +10,8 @@ Semantics (reference.py and the kernels agree):
   chunk_size are static Python numbers.
 
 Kernels: sm90.py (Hopper: wgmma, TMA producer warpgroup + 2 ping-pong compute warpgroups) and
-sm100.py (Blackwell: tcgen05 into TMEM, one warpgroup). Both take bf16 with head_dim 64 or 128;
-anything else runs the XLA reference under implementation=None and raises under "pallas".
+sm100.py (Blackwell: tcgen05 into TMEM, the same warpgroup layout). Both take bf16 with head_dim
+64 or 128; anything else runs the XLA reference under implementation=None and raises under "pallas".
 """
 
 from __future__ import annotations
