@@ -41,7 +41,9 @@ def _prefill_then_decode(model, tokens, capacity=128):
   B, T = tokens.shape
   cache = kvc.KVCache.init(model.config, B, capacity)
   out = model_lib.apply(graphdef, state, tokens, cache=cache, prefill=True)
-  nxt = jnp.argmax(out.logits[:, -1:], axis=-1).astype(jnp.int32)
+  # The same next token for both paths: each path's own argmax can differ at a near-tie, and the
+  # step's logits would then be for different inputs.
+  nxt = tokens[:, :1]
   step = model_lib.apply(graphdef, state, nxt, cache=out.cache)
   return np.asarray(out.logits, np.float32), np.asarray(step.logits, np.float32)
 
@@ -68,8 +70,8 @@ def _compare(model, tokens, run=_prefill_then_decode):
 
 def test_all_kernels_match_xla_on_aligned_model():
   model = model_lib.init_model(aligned_config(), seed=0)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 80)), jnp.int32)
-  _compare(model, tokens)  # 80 tokens cross the 64-token chunk boundary
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (1, 80)), jnp.int32)
+  _compare(model, tokens)  # 80 tokens cross the 64-token chunk boundary (one row: CI time)
 
 
 def _fp8_aligned_model(num_layers=4):
