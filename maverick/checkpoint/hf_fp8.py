@@ -318,8 +318,9 @@ def _bf16_build(stored, src: hf.Source, dtype):
 
 
 def _fp8_build(stored, stored_scale, src: hf.Source, cut, scale_shape, in_axes):
-  """Our FP8 weights are K-major (maverick.quant.to_kmajor): HF linears are already ([out, in]),
-  so for them the two transposes cancel; fused fbgemm experts are (E, in, out) and get one."""
+  """Our FP8 weights are K-major (maverick.quant.to_kmajor). HF linears are [out, in] already: the
+  target transform (to our declared [in, out]) and to_kmajor cancel, at the cost of one extra host
+  copy; fused fbgemm experts are (E, in, out) and really are transposed."""
   def build(raw):
     q = _checked_fp8(stored, raw[stored])
     s = _checked_scale(stored_scale, raw[stored_scale])
