@@ -33,3 +33,20 @@ def write_atomic(path: str, text: str) -> None:
   with open(tmp, "w") as f:
     f.write(text)
   os.replace(tmp, path)
+
+
+KERNEL_CHOICES = ("auto", "xla", "pallas")
+
+
+def define_kernels_flag():
+  """--kernels for scripts that build a model (see maverick/kernels.py)."""
+  return flags.DEFINE_enum(
+      "kernels", "auto", list(KERNEL_CHOICES),
+      "Pallas kernels: auto = on a Hopper/Blackwell GPU for calls whose kernel config passed its "
+      "one-time on-device self-check (else XLA, with one warning); xla = never; pallas = always "
+      "where the kernel takes the shapes (an error without a GPU).")
+
+
+def kernels_value(flag) -> str | None:
+  """The flag's value as `maverick.load(kernels=...)` takes it (auto -> None)."""
+  return None if flag.value == "auto" else flag.value

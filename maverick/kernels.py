@@ -1,8 +1,13 @@
 """Where the model meets `pallas_kernels`: one switch per model, `kernels`.
 
   None      auto (the default): a Pallas kernel wherever one can run (a Hopper/Blackwell GPU, or
-            inside `pallas_kernels.interpret()`) and takes the call's shapes/dtypes; XLA elsewhere;
-  "pallas"  the same, but it is an error when there is nothing to run kernels on;
+            inside `pallas_kernels.interpret()`) and takes the call's shapes/dtypes, and, on a GPU,
+            only once that kernel config has passed its one-time on-device self-check
+            (`pallas_kernels.selfcheck`: compiled, run on a probe of the call's shapes and
+            compared with XLA; cached on disk). A config that fails runs on XLA, with one
+            `KernelFallbackWarning` naming the op, the shapes and the reason. XLA elsewhere;
+  "pallas"  the kernels wherever the planner takes the call, no self-check; an error when there is
+            nothing to run kernels on;
   "xla"     the plain-jnp reference everywhere.
 
 Set it with `set_kernels(model, ...)` (or `maverick.load(..., kernels=...)`, `--kernels`). Calls a
@@ -20,9 +25,16 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import common
 from pallas_kernels import gemm as gemm_lib
+from pallas_kernels import selfcheck
+
+# Probe tolerance (max |kernel - XLA| / max |XLA|): every kernel output is bf16 (2^-9 relative
+# rounding per element) and both sides accumulate in f32 in different orders; 2e-2 leaves room
+# for that and still catches a wrong tile, mask or scale (those are O(1) errors).
+PROBE_TOL = 2e-2
 
 KERNELS = (None, "xla", "pallas")
 
@@ -32,7 +44,13 @@ def set_kernels(model, kernels: str | None) -> None:
   if kernels not in KERNELS:
     raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS} (None = auto)")
   if kernels == "pallas":
-    common.target_arch()  # raises, naming the fix, when there is no GPU and no interpret mode
+    if common.runnable_arch() is None:
+      device = jax.devices()[0]
+      raise common.KernelInputError(
+          f"kernels='pallas' needs a Hopper (sm_90) or Blackwell (sm_100) GPU; this backend is "
+          f"{device.platform!r} ({device.device_kind}). Use kernels=None / --kernels auto (kernels "
+          f"where they run, XLA elsewhere) or 'xla', or run inside pallas_kernels.interpret() "
+          f"(GPU interpret mode, slow, for tests).")
     from maverick import sharding  # local: sharding imports the model
     if sharding.plan_of(model) is not None:
       raise common.KernelInputError(
@@ -41,15 +59,33 @@ def set_kernels(model, kernels: str | None) -> None:
   model.set_attributes(kernels=kernels, raise_if_not_found=False)
 
 
-def use_pallas(kernels: str | None, supported: bool) -> bool:
+def use_pallas(kernels: str | None, supported: bool,
+               probe: selfcheck.Probe | None = None) -> bool:
+  """Whether the call runs its Pallas kernel. Auto mode (None) also needs `probe` to pass its
+  on-device self-check (a no-op off the GPU)."""
   if kernels == "xla":
     return False
   if kernels == "pallas":
     common.target_arch()
     return supported
   if kernels is None:
-    return supported and common.runnable_arch() is not None
+    return (supported and common.runnable_arch() is not None
+            and (probe is None or selfcheck.passed(probe)))
   raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS} (None = auto)")
+
+
+def _sig(*arrays) -> str:
+  return " ".join("-" if a is None else f"{jnp.dtype(a.dtype).name}{list(a.shape)}"
+                  for a in arrays)
+
+
+def _normal(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> jax.Array:
+  """Random probe values in `dtype` (FP8 too: N(0, 1) sits well inside e4m3's range)."""
+  return jnp.asarray(rng.standard_normal(shape, np.float32) * scale).astype(dtype)
+
+
+def _positive(rng: np.random.Generator, shape) -> jax.Array:
+  return jnp.asarray(rng.uniform(0.5, 2.0, shape).astype(np.float32))
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | None,
@@ -77,18 +113,30 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   quantize_x = scale is not None and quant is not None and quant.quantize_activations
   x_dtype = quant_ops.FP8 if quantize_x else x.dtype
   ok, _ = gemm_lib.pallas_support(x_dtype, w.dtype, n, k, layout)
-  if not use_pallas(kernels, ok):
-    return None
   batch = x.shape[:-n_c]
   x2 = x.reshape(-1, k)
-  x_scale = None
-  if quantize_x:
-    x2, x_scale = quant_ops.quantize_rows(x2, (-1,), quant.activation_scale_ub)
   w2 = w.reshape((k, n) if layout == "kn" else (n, k))
   w_scale = None if scale is None else scale.reshape(n)
-  y = gemm_lib.gemm(x2, w2, x_scale, w_scale, w_layout=layout, out_dtype=out_dtype or x.dtype,
-                    implementation="pallas")
-  return y.reshape(*batch, *w_out)
+  out_dtype = out_dtype or x.dtype
+
+  def run(implementation, x2, w2, w_scale):
+    x_scale = None
+    if quantize_x:
+      x2, x_scale = quant_ops.quantize_rows(x2, (-1,), quant.activation_scale_ub)
+    return gemm_lib.gemm(x2, w2, x_scale, w_scale, w_layout=layout, out_dtype=out_dtype,
+                         implementation=implementation)
+
+  def make_args(rng):
+    return (_normal(rng, x2.shape, x2.dtype), _normal(rng, w2.shape, w2.dtype, 1 / math.sqrt(k)),
+            None if w_scale is None else _positive(rng, w_scale.shape))
+
+  probe = selfcheck.Probe(
+      "gemm", f"x {_sig(x2)} @ w {_sig(w2)} (w_layout={layout!r})",
+      f"{_sig(x2, w2, w_scale)} {layout} quantize_x={quantize_x} ub={quant and quant.activation_scale_ub}"
+      f" out={jnp.dtype(out_dtype).name}", make_args, run, PROBE_TOL)
+  if not use_pallas(kernels, ok, probe):
+    return None
+  return run("pallas", x2, w2, w_scale).reshape(*batch, *w_out)
 
 
 def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str | None, *,
@@ -122,27 +170,44 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
                                            w_scale=scales and scales[0], w_layout=layout)[0]
         and grouped_gemm.pallas_support(hidden, down_efd, x_scale=row_scale,
                                         w_scale=scales and scales[2], w_layout=layout)[0])
-  if not use_pallas(kernels, ok):
-    return None
-  flat_expert = top_idx.reshape(-1)
-  order = jnp.argsort(flat_expert, stable=True)
-  token = order // k
-  x_sorted = x_nd[token] * scores.reshape(-1)[order][:, None]  # the score scales the INPUT
-  group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
+  s_gate, s_up, s_down = scales if fp8 else (None, None, None)
 
   def rows_in(a):  # (kernel input, its per-row scale)
     if not fp8:
       return a, None
     return quant_ops.quantize_rows(a, (-1,), quant.activation_scale_ub)
 
-  s_gate, s_up, s_down = scales if fp8 else (None, None, None)
-  xq, x_scale = rows_in(x_sorted)
-  h = grouped_gemm.grouped_swiglu(xq, gate_edf, up_edf, group_sizes, x_scale=x_scale,
-                                  gate_scale=s_gate, up_scale=s_up, w_layout=layout,
-                                  out_dtype=x_nd.dtype, implementation="pallas")
-  hq, h_scale = rows_in(h)
-  y = grouped_gemm.grouped_matmul(hq, down_efd, group_sizes, x_scale=h_scale, w_scale=s_down,
-                                  w_layout=layout, out_dtype=x_nd.dtype, implementation="pallas")
+  def run(implementation, x_sorted, group_sizes, gate, up, down, s_gate, s_up, s_down):
+    xq, x_scale = rows_in(x_sorted)
+    h = grouped_gemm.grouped_swiglu(xq, gate, up, group_sizes, x_scale=x_scale,
+                                    gate_scale=s_gate, up_scale=s_up, w_layout=layout,
+                                    out_dtype=x_nd.dtype, implementation=implementation)
+    hq, h_scale = rows_in(h)
+    return grouped_gemm.grouped_matmul(hq, down, group_sizes, x_scale=h_scale, w_scale=s_down,
+                                       w_layout=layout, out_dtype=x_nd.dtype,
+                                       implementation=implementation)
+
+  def make_args(rng):
+    # Uneven groups with empty experts, as routing produces.
+    sizes = rng.multinomial(N * k, rng.dirichlet(np.full(E, 0.3))).astype(np.int32)
+    weights = [_normal(rng, w.shape, w.dtype, 1 / math.sqrt(fan_in))
+               for w, fan_in in ((gate_edf, D), (up_edf, D), (down_efd, F))]
+    w_scales = [None if s is None else _positive(rng, s.shape) for s in (s_gate, s_up, s_down)]
+    return (_normal(rng, (N * k, D), x_nd.dtype), jnp.asarray(sizes), *weights, *w_scales)
+
+  probe = selfcheck.Probe(
+      "grouped_gemm (experts: SwiGLU, then down)",
+      f"{N * k} rows x {_sig(gate_edf)} / {_sig(down_efd)} (w_layout={layout!r})",
+      f"{N * k} rows {_sig(x_nd, gate_edf, up_edf, down_efd, s_gate, s_up, s_down)} {layout} "
+      f"ub={quant and quant.activation_scale_ub}", make_args, run, PROBE_TOL)
+  if not use_pallas(kernels, ok, probe):
+    return None
+  flat_expert = top_idx.reshape(-1)
+  order = jnp.argsort(flat_expert, stable=True)
+  token = order // k
+  x_sorted = x_nd[token] * scores.reshape(-1)[order][:, None]  # the score scales the INPUT
+  group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
+  y = run("pallas", x_sorted, group_sizes, gate_edf, up_edf, down_efd, s_gate, s_up, s_down)
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
 
 
@@ -152,9 +217,19 @@ def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None):
     return None
   from pallas_kernels import prefill_attention as prefill
   ok = q.dtype == k.dtype == v.dtype == jnp.bfloat16 and q.shape[3] in prefill.api.SUPPORTED_HEAD_DIMS
-  if not use_pallas(kernels, ok):
+
+  def run(implementation, q, k, v):
+    return prefill.prefill_attention(q, k, v, chunk_size=chunk_size,
+                                     implementation=implementation)
+
+  def make_args(rng):
+    return tuple(_normal(rng, a.shape, a.dtype) for a in (q, k, v))
+
+  probe = selfcheck.Probe("prefill_attention", f"q {_sig(q)}, k/v {_sig(k)}",
+                          f"{_sig(q, k, v)} chunk={chunk_size}", make_args, run, PROBE_TOL)
+  if not use_pallas(kernels, ok, probe):
     return None
-  return prefill.prefill_attention(q, k, v, chunk_size=chunk_size, implementation="pallas")
+  return run("pallas", q, k, v)
 
 
 def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tree,
@@ -165,11 +240,42 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
   from pallas_kernels import decode_attention as decode
   ok = (q.dtype == jnp.bfloat16 and q.shape[3] in (64, 128) and k_cache.shape[1] % 64 == 0
         and (tree is None or tree.positions.shape[1] <= 128) and q.shape[1] <= 64)
-  if not use_pallas(kernels, ok):
-    return None
-  tree_args = {}
+  names = ["k_scale", "v_scale"] if kv_scales else []
+  extras = [kv_scales[n] for n in names]
   if tree is not None:
-    tree_args = dict(tree_start=tree.start, tree_positions=tree.positions,
-                     tree_visible=tree.visible)
-  return decode.decode_attention(q, k_cache, v_cache, q_positions, chunk_size=chunk_size,
-                                 **kv_scales, **tree_args, implementation="pallas")
+    names += ["tree_start", "tree_positions", "tree_visible"]
+    extras += [tree.start, tree.positions, tree.visible]
+
+  def run(implementation, q, k_cache, v_cache, q_positions, *extras):
+    return decode.decode_attention(q, k_cache, v_cache, q_positions, chunk_size=chunk_size,
+                                   **dict(zip(names, extras)), implementation=implementation)
+
+  def make_args(rng):
+    B, T = q_positions.shape
+    S = k_cache.shape[1]
+    args = [_normal(rng, q.shape, q.dtype), _normal(rng, k_cache.shape, k_cache.dtype),
+            _normal(rng, v_cache.shape, v_cache.dtype)]
+    if tree is None:  # T new tokens at the end of a random prefix
+      ends = rng.integers(T, S + 1, B)
+      args.append(jnp.asarray((ends[:, None] - T + np.arange(T)).astype(np.int32)))
+    else:  # a tree block at a random offset; queries at tree depths; random visibility
+      R = tree.positions.shape[1]
+      start = rng.integers(0, S - R + 1, B)
+      depth = np.sort(rng.integers(0, R, (B, R)), axis=1)
+      args.append(jnp.asarray((start[:, None] + rng.integers(0, R, (B, T))).astype(np.int32)))
+    if kv_scales:
+      args += [_positive(rng, kv_scales["k_scale"].shape), _positive(rng, kv_scales["v_scale"].shape)]
+    if tree is not None:
+      args += [jnp.asarray(start.astype(np.int32)),
+               jnp.asarray((start[:, None] + depth).astype(np.int32)),
+               jnp.asarray(rng.random((B, T, R)) < 0.5)]
+    return tuple(args)
+
+  probe = selfcheck.Probe(
+      "decode_attention", f"q {_sig(q)} over cache {_sig(k_cache)}"
+      + (f" with a {tree.positions.shape[1]}-slot tree" if tree is not None else ""),
+      f"{_sig(q, k_cache, v_cache, q_positions, *extras)} chunk={chunk_size}",
+      make_args, run, PROBE_TOL)
+  if not use_pallas(kernels, ok, probe):
+    return None
+  return run("pallas", q, k_cache, v_cache, q_positions, *extras)

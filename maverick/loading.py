@@ -7,6 +7,7 @@ import os
 
 from maverick import config as config_lib
 from maverick import hub
+from maverick import kernels as kernels_lib
 from maverick import model as model_lib
 from maverick import sharding as sharding_lib
 from maverick import tokenizer as tokenizer_lib
@@ -41,8 +42,12 @@ class Loaded:
 
 def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
          rules: sharding_lib.Rules = sharding_lib.REPLICATED, seed: int = 0,
-         moe_impl: str = "tiles", layout: str = "tp", quant=None) -> Loaded:
+         moe_impl: str = "tiles", layout: str = "tp", quant=None,
+         kernels: str | None = None) -> Loaded:
   """Loads a model and its tokenizer.
+
+  kernels: None (auto: Pallas kernels on a Hopper/Blackwell GPU for calls whose kernel config
+  passed its on-device self-check, XLA elsewhere), "xla" or "pallas" (see maverick/kernels.py).
 
   quant: a `maverick.quant.QuantConfig` to quantize a BF16 model to FP8 after loading (FP8
   checkpoints need none: their quantization is recorded in them).
@@ -65,6 +70,7 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
                  layout=layout, quant=quant)
   if mesh is not None and sharding_lib.plan_of(loaded.model) is None:
     sharding_lib.shard_model(loaded.model, mesh, layout)
+  kernels_lib.set_kernels(loaded.model, kernels)
   return loaded
 
 

@@ -69,6 +69,7 @@ _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(REPO, "benchmarks", "resu
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", None, "If set, writes a jax.profiler trace of the timed phase here (open with "
     "TensorBoard / XProf or Perfetto).")
+_KERNELS = cli.define_kernels_flag()
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
 
 
@@ -364,13 +365,15 @@ def main(argv):
   import jax
   import maverick
   import spec_decode
+  from maverick import kernels as kernels_lib
   from maverick.checkpoint import CheckpointError
   from maverick.config import ConfigError
   from spec_decode.draft import DraftConfigError
 
   start = time.perf_counter()
   try:
-    loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value)
+    loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value,
+                           kernels=cli.kernels_value(_KERNELS))
     if loaded.tokenizer is None:
       raise cli.UsageError(f"{_CHECKPOINT.value} has no tokenizer.json (needed to encode the "
                            "held-out prompts); copy the model's tokenizer files next to it")
@@ -379,6 +382,7 @@ def main(argv):
     draft = None
     if draft_name and any(s.k > 0 for s in shapes):
       draft = spec_decode.load_draft(draft_name, loaded.model, dtype=_DTYPE.value)
+      kernels_lib.set_kernels(draft, cli.kernels_value(_KERNELS))
     configs = [Config(b, p, o, s) for p in prompt_lens for o in output_lens for b in batches
                for s in shapes]
     rows = run_sweep(configs, loaded, draft, num_prompts=_NUM_PROMPTS.value,
@@ -392,7 +396,7 @@ def main(argv):
   device = dev.device_kind.replace(" ", "_").lower()
   result = {
       "device": device, "platform": dev.platform, "device_count": jax.device_count(),
-      "jax_version": jax.__version__, "checkpoint": _CHECKPOINT.value, "draft": draft_name,
+      "jax_version": jax.__version__, "kernels": _KERNELS.value, "checkpoint": _CHECKPOINT.value, "draft": draft_name,
       "command": " ".join(["python scripts/benchmark.py", *sys.argv[1:]]),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "settings": {"ks": [s.k for s in shapes if not s.is_tree],

@@ -62,6 +62,7 @@ _TREE_NODES = flags.DEFINE_integer(
     "tree_nodes", None, "Tree drafting: draft tokens verified per round (>= --tree_depth).")
 _CHAT = flags.DEFINE_bool("chat", False, "Wrap each prompt in the Llama 4 chat template (needs "
                           "the checkpoint's tokenizer.json with the header tokens).")
+_KERNELS = cli.define_kernels_flag()
 _STREAM = flags.DEFINE_bool(
     "stream", False, "Print tokens as they are produced (one --prompt only). Runs one device call "
     "per --stream_chunk tokens, each re-reading the text so far (no KV cache kept between calls): "
@@ -106,6 +107,7 @@ def main(argv):
   import maverick  # late: --help and flag errors stay instant
   from maverick.checkpoint import CheckpointError
   from maverick.config import ConfigError
+  from maverick import kernels as kernels_lib
   from maverick import sharding
   from maverick.generate import generate
   from maverick.tokenizer import TokenizerError
@@ -116,7 +118,7 @@ def main(argv):
     texts = _read_prompts()
     mesh = mesh_flags.mesh_from_flags()
     loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value, mesh=mesh,
-                           layout=mesh_flags.LAYOUT.value)
+                           layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS))
     tok = loaded.tokenizer
     if tok is None:
       raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json; copy the model's tokenizer "
@@ -138,6 +140,8 @@ def main(argv):
         note = "(no --draft for this checkpoint: plain decoding)"
     if draft is not None and mesh is not None:
       draft = sharding.shard_model(draft, mesh, mesh_flags.LAYOUT.value)
+    if draft is not None:
+      kernels_lib.set_kernels(draft, cli.kernels_value(_KERNELS))
     kw = dict(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
               top_p=_TOP_P.value, seed=_SEED.value, stop_tokens=loaded.stop_tokens,
               max_cache_len=_MAX_CACHE_LEN.value)

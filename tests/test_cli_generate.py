@@ -92,6 +92,7 @@ def test_cli_random_model():
      ["smaller than tree depth", "--tree_nodes >= --tree_depth"]),
     (["--checkpoint=random:tiny", "--prompt=abcdefghij", "--max_cache_len=4"],
      ["KV cache holds 4"]),
+    (["--prompt=x", "--kernels=pallas"], ["kernels='pallas' needs a Hopper", "--kernels auto"]),
 ])
 def test_cli_user_errors_are_one_line(args, words):
   r = _run(*args)

@@ -1,0 +1,190 @@
+"""Auto mode cannot crash a user: a kernel config runs only after its on-device self-check
+(`pallas_kernels.selfcheck`), and a config that fails to compile or disagrees with XLA falls back
+to XLA with exactly one warning naming the op, the shapes and the reason.
+
+There is no GPU here, so the check is forced on in GPU interpret mode (`selfcheck.force()`), and
+the failures are made by replacing the real kernel with one that raises as a Mosaic compile error
+would, or with one whose numbers are off. Each op's probe is also run against its real kernel,
+so a probe that draws invalid inputs (or a kernel that disagrees) shows up here.
+"""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from maverick import kernels as kernels_lib
+from maverick import kv_cache as kvc
+from maverick import model as model_lib
+from maverick.model import TreeMask
+from pallas_kernels import selfcheck
+from pallas_kernels.gemm import api as gemm_api
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+  monkeypatch.setenv("MAVERICK_CACHE_DIR", str(tmp_path))
+  selfcheck.clear_memory()
+  yield
+  selfcheck.clear_memory()
+
+
+def _linear_call(kernels):
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((3, 5, 128)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((128, 256)) / 11, jnp.bfloat16)
+  y = kernels_lib.linear("btd,df->btf", x, w, None, None, kernels)
+  ref = jnp.einsum("btd,df->btf", x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  return y, np.asarray(ref, np.float32)
+
+
+def _auto_linear_twice():
+  """Two auto-mode calls of the same config, in interpret mode with the check forced on; returns
+  (outputs, the KernelFallbackWarnings raised)."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with pallas_kernels.interpret(detect_races=False), selfcheck.force():
+      outs = [_linear_call(None) for _ in range(2)]
+  return outs, [w for w in caught if issubclass(w.category, selfcheck.KernelFallbackWarning)]
+
+
+def _cache():
+  return json.loads(selfcheck.cache_path().read_text())
+
+
+def test_passing_config_runs_the_kernel_and_is_cached_on_disk(monkeypatch):
+  calls = []
+  real = gemm_api._KERNELS["sm90"]
+  monkeypatch.setitem(gemm_api._KERNELS, "sm90", lambda *a, **k: calls.append(1) or real(*a, **k))
+  outs, warned = _auto_linear_twice()
+  assert not warned and selfcheck.probes_run == 1
+  for y, ref in outs:
+    assert y is not None  # the Pallas path was taken
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2e-2, atol=2e-2)
+  # probe + two real calls went through the kernel
+  assert len(calls) == 3
+  (record,) = _cache().values()
+  assert record["ok"] and record["max_rel_error"] < kernels_lib.PROBE_TOL
+  # A new process (memory cleared) trusts the disk cache: no new probe.
+  selfcheck.clear_memory()
+  _, warned = _auto_linear_twice()
+  assert not warned and selfcheck.probes_run == 0
+
+
+def _assert_fell_back(outs, warned, reason):
+  assert len(warned) == 1, [str(w.message) for w in warned]
+  message = str(warned[0].message)
+  assert "gemm" in message and "bfloat16[15, 128]" in message and reason in message, message
+  for y, _ in outs:
+    assert y is None  # the caller runs its XLA path
+  (record,) = _cache().values()
+  assert not record["ok"] and reason in record["reason"]
+
+
+def test_compile_failure_falls_back_to_xla_with_one_warning(monkeypatch):
+  def does_not_build(*_, **__):
+    raise ValueError("Mosaic GPU kernel exceeds available shared memory: smem_bytes=280656 > "
+                     "max_smem_bytes=232448")
+  monkeypatch.setitem(gemm_api._KERNELS, "sm90", does_not_build)
+  outs, warned = _auto_linear_twice()
+  _assert_fell_back(outs, warned, "does not compile")
+  assert "exceeds available shared memory" in str(warned[0].message)
+
+
+def test_numeric_mismatch_falls_back_to_xla_with_one_warning(monkeypatch):
+  real = gemm_api._KERNELS["sm90"]
+  monkeypatch.setitem(gemm_api._KERNELS, "sm90",
+                      lambda *a, **k: (real(*a, **k).astype(jnp.float32) * 1.05).astype(jnp.bfloat16))
+  outs, warned = _auto_linear_twice()
+  _assert_fell_back(outs, warned, "disagrees with XLA")
+
+
+def test_forced_pallas_skips_the_check_and_xla_never_probes(monkeypatch):
+  real = gemm_api._KERNELS["sm90"]
+  monkeypatch.setitem(gemm_api._KERNELS, "sm90",
+                      lambda *a, **k: (real(*a, **k).astype(jnp.float32) * 1.05).astype(jnp.bfloat16))
+  with pallas_kernels.interpret(detect_races=False), selfcheck.force():
+    y, _ = _linear_call("pallas")
+    assert y is not None
+    assert _linear_call("xla")[0] is None
+  assert selfcheck.probes_run == 0
+
+
+def test_the_check_is_off_where_no_gpu_runs_it():
+  """Off a GPU (here: interpret mode, not forced) auto mode uses the planner's answer alone."""
+  with pallas_kernels.interpret(detect_races=False):
+    assert selfcheck.active() is False
+    assert _linear_call(None)[0] is not None
+  assert selfcheck.probes_run == 0 and not selfcheck.cache_path().exists()
+
+
+def _probe_passes(fn):
+  """Runs `fn` (one kernel helper call in auto mode) with the check forced: every op's probe must
+  draw valid inputs, and the real kernel must pass it."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", selfcheck.KernelFallbackWarning)
+    with pallas_kernels.interpret(detect_races=False), selfcheck.force():
+      out = fn()
+  assert out is not None and selfcheck.probes_run == 1
+  assert all(r["ok"] for r in _cache().values())
+
+
+def test_probes_of_the_attention_and_expert_kernels_pass():
+  rng = np.random.default_rng(2)
+  bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+  q, k, v = bf(1, 70, 4, 64), bf(1, 70, 1, 64), bf(1, 70, 1, 64)
+  _probe_passes(lambda: kernels_lib.prefill_attention(q, k, v, 32, None))
+  selfcheck.clear_memory()
+
+  cache_k, cache_v = bf(2, 128, 1, 64), bf(2, 128, 1, 64)
+  positions = jnp.asarray([[40, 41], [90, 91]], jnp.int32)
+  _probe_passes(lambda: kernels_lib.cache_attention(bf(2, 2, 4, 64), cache_k, cache_v, positions,
+                                                    None, None, {}, None))
+  selfcheck.clear_memory()
+
+  R = 5
+  tree = TreeMask(start=jnp.asarray([30, 60], jnp.int32),
+                  positions=jnp.asarray([[30, 31, 31, 32, 32], [60, 61, 62, 62, 63]], jnp.int32),
+                  visible=jnp.asarray(rng.random((2, R, R)) < 0.6))
+  _probe_passes(lambda: kernels_lib.cache_attention(
+      bf(2, R, 4, 64), cache_k, cache_v, tree.positions, 64, tree, {}, None))
+  selfcheck.clear_memory()
+
+  N, D, F, E, top = 6, 128, 128, 4, 1
+  experts = [bf(E, D, F), bf(E, D, F), bf(E, F, D)]
+  top_idx = jnp.asarray(rng.integers(0, E, (N, top)), jnp.int32)
+  scores = jnp.asarray(rng.random((N, top)), jnp.bfloat16)
+  _probe_passes(lambda: kernels_lib.moe_experts(bf(N, D), top_idx, scores, *experts, None))
+
+
+def test_probe_runs_while_the_model_is_being_traced():
+  """The kernel choice is made while jit traces the model: the probe must run outside that trace
+  (its own small program), and a failing config must still leave an XLA path in the jit."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((128, 256)) / 11, jnp.bfloat16)
+
+  @jax.jit
+  def f(x, w):
+    y = kernels_lib.linear("td,df->tf", x, w, None, None, None)
+    return jnp.einsum("td,df->tf", x, w) if y is None else y
+
+  ref = np.asarray(jnp.einsum("td,df->tf", x, w, preferred_element_type=jnp.float32), np.float32)
+  with pallas_kernels.interpret(detect_races=False), selfcheck.force():
+    y = f(x, w)
+  assert selfcheck.probes_run == 1 and _cache() and all(r["ok"] for r in _cache().values())
+  np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_load_takes_the_kernels_switch():
+  import maverick
+  from pallas_kernels.common import KernelInputError
+  model = maverick.load("random:tiny", kernels="xla").model
+  assert {layer.attn.kernels for layer in model.layers} == {"xla"}
+  with pytest.raises(KernelInputError, match="kernels='pallas' needs a Hopper"):
+    maverick.load("random:tiny", kernels="pallas")
