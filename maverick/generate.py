@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from maverick import kv_cache as kvc
+from maverick import kernels as kernels_lib
 from maverick import sampling
 from maverick import sharding
 from maverick.model import Llama4
@@ -230,6 +231,7 @@ def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=
       top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
   req = sharding.place_request(req, sharding.plan_of(model))
   graphdef, state = nnx.split(model)
+  capacity = kernels_lib.cache_capacity(capacity, model)
   exe, compile_s = compiled_generate(graphdef, state, req, steps=steps, capacity=capacity,
                                      pad_id=resolve_pad_id(model.config, pad_id))
   start = time.perf_counter()

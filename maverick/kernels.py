@@ -26,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from pallas_kernels import common
 from pallas_kernels import gemm as gemm_lib
@@ -57,6 +58,26 @@ def set_kernels(model, kernels: str | None) -> None:
           "kernels='pallas' on a sharded model: the kernels are not wired through shard_map yet; "
           "use kernels=None or 'xla' for sharded models")
   model.set_attributes(kernels=kernels, raise_if_not_found=False)
+
+
+def kernels_of(model) -> str | None:
+  """The switch `set_kernels` gave `model` (its first layer's; all layers share it)."""
+  for _, node in nnx.iter_modules(model):
+    if hasattr(node, "kernels"):
+      return node.kernels
+  return "xla"
+
+
+def cache_capacity(capacity: int, *models) -> int:
+  """`capacity` rounded up to the decode attention kernel's KV block when any of `models` may run
+  that kernel here: the kernel takes only caches of whole blocks, and speculative capacities
+  (prompt bucket + steps + K + 1 slack) never are. Unchanged where only XLA runs (a CPU), so
+  CPU programs keep their shapes."""
+  from pallas_kernels.decode_attention import api as decode_api
+  block = decode_api.BLOCK_KV
+  if common.runnable_arch() is None or all(kernels_of(m) == "xla" for m in models):
+    return capacity
+  return -(-capacity // block) * block
 
 
 def use_pallas(kernels: str | None, supported: bool,
@@ -238,7 +259,8 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
   if kernels == "xla":
     return None
   from pallas_kernels import decode_attention as decode
-  ok = (q.dtype == jnp.bfloat16 and q.shape[3] in (64, 128) and k_cache.shape[1] % 64 == 0
+  ok = (q.dtype == jnp.bfloat16 and q.shape[3] in (64, 128)
+        and k_cache.shape[1] % decode.api.BLOCK_KV == 0
         and (tree is None or tree.positions.shape[1] <= 128) and q.shape[1] <= 64)
   names = ["k_scale", "v_scale"] if kv_scales else []
   extras = [kv_scales[n] for n in names]

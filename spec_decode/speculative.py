@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from maverick import generate as plain
+from maverick import kernels as kernels_lib
 from maverick import sampling
 from maverick import sharding
 from maverick.model import Llama4, TreeMask
@@ -202,7 +203,7 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
   req, steps, capacity = plain.prepare(
       target.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
       top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
-  capacity += slack
+  capacity = kernels_lib.cache_capacity(capacity + slack, target, draft)
   req = sharding.place_request(req, sharding.plan_of(target))
   tgt_graphdef, tgt_state = nnx.split(target)
   dr_graphdef, dr_state = nnx.split(draft)

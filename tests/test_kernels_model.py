@@ -199,3 +199,45 @@ def test_kernels_switch_errors():
     kernels_lib.set_kernels(model, "cuda")
   with pytest.raises(pallas_kernels.KernelInputError, match="interpret"):
     kernels_lib.set_kernels(model, "pallas")  # no GPU here
+
+
+def test_speculative_generate_runs_the_decode_kernel(monkeypatch):
+  """Speculative capacities (prompt bucket + steps + K + 1) are not whole KV blocks; they are
+  rounded up where the decode kernel can run, so the target's verify and the draft's steps take
+  the kernel (without the rounding every decode-attention call would fall back to XLA). The
+  program is traced, not run: which kernels it calls is decided while tracing (running it in
+  interpret mode costs minutes; the kernels' numbers are covered above)."""
+  import spec_decode
+  from spec_decode import draft as draft_lib
+  from spec_decode import speculative
+  from pallas_kernels.decode_attention import api as decode_api
+
+  shapes = []
+  real = decode_api._pallas
+
+  def spy(q, k_cache, *args):
+    shapes.append((q.shape, k_cache.shape))
+    return real(q, k_cache, *args)
+
+  class Traced(Exception):
+    pass
+
+  def trace_only(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, **static):
+    speculative.spec_generate_jit.trace(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req,
+                                        **static)
+    raise Traced(static["capacity"])
+
+  monkeypatch.setattr(decode_api, "_pallas", spy)
+  monkeypatch.setattr(speculative, "compiled_spec_generate", trace_only)
+  model = model_lib.init_model(aligned_config(2), seed=0)
+  draft = draft_lib.init_draft(draft_lib.Eagle3Config.for_target(model.config), seed=1)
+  prompt = [list(np.random.default_rng(5).integers(0, 512, 10))]
+  with pallas_kernels.interpret(detect_races=False):
+    for m in (model, draft):
+      kernels_lib.set_kernels(m, "pallas")
+    with pytest.raises(Traced) as traced:
+      spec_decode.generate(model, draft, prompt, k=3, max_new_tokens=3)
+  assert traced.value.args == (64,)  # 16 (prompt) + 16 (steps) + 4 (slack) -> one 64-slot block
+  assert {k[1] for _, k in shapes} == {64}, shapes
+  verify_t = {q[1] for q, _ in shapes}
+  assert 4 in verify_t and 1 in verify_t, verify_t  # target verify (K+1) and draft steps
