@@ -86,7 +86,11 @@ def prepare(cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequ
                      f"{max_cache_len}; raise max_cache_len (--max_cache_len) or shorten the input")
   capacity = t_prompt + steps
   if max_cache_len is not None:
-    capacity = max(min(capacity, max_cache_len), needed)
+    # The prefill writes the whole padded prompt into the cache: a bucket past the user's cache
+    # limit shrinks to it (still >= the longest prompt, checked above), so the capacity always
+    # holds the padded prompt.
+    t_prompt = min(t_prompt, max_cache_len)
+    capacity = max(min(capacity, max_cache_len), needed, t_prompt)
 
   padded = np.zeros((B, t_prompt), np.int32)
   for i, p in enumerate(rows):

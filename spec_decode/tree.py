@@ -214,5 +214,8 @@ def commit_path(cache, start, path):
   entries past the accepted length are garbage past the committed length, overwritten later."""
   slots = start[:, None] + path
   move = lambda layer: kvc.write(layer, gather_path(layer, slots), start)
-  return kvc.KVCache(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v),
-                     lengths=cache.lengths)
+  # An FP8 cache's per-token scales travel with their entries: a slot's e4m3 values mean nothing
+  # without the scale they were quantized with.
+  move_all = lambda layers: None if layers is None else tuple(move(x) for x in layers)
+  return dataclasses.replace(cache, k=move_all(cache.k), v=move_all(cache.v),
+                             k_scale=move_all(cache.k_scale), v_scale=move_all(cache.v_scale))

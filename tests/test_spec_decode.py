@@ -238,3 +238,15 @@ def test_draft_target_mismatch(fixture_model):
   draft = draft_lib.init_draft(draft_lib.Eagle3Config.for_target(other), seed=0)
   with pytest.raises(draft_lib.DraftConfigError, match="hidden size"):
     spec.generate(fixture_model, draft, [[1, 2]])
+
+
+def test_cache_limit_below_the_prompt_bucket(fixture_model, random_draft):
+  """A 20-token prompt pads to a 32-token bucket; with max_cache_len=24 the cache used to be
+  smaller than the padded prompt and the prefill failed. Plain and speculative decoding now fit
+  the limit and give the unlimited output."""
+  prompt = [list(np.random.default_rng(11).integers(1, fixture_model.config.vocab_size, 20))]
+  kw = dict(max_new_tokens=4, stop_tokens=[])
+  want = plain.generate(fixture_model, prompt, **kw).tokens
+  assert plain.generate(fixture_model, prompt, max_cache_len=24, **kw).tokens == want
+  assert spec.generate(fixture_model, random_draft, prompt, k=3, max_cache_len=24,
+                       **kw).tokens == want

@@ -235,3 +235,37 @@ def test_bad_tree_shapes(fixture_model):
     spec.generate(fixture_model, small_vocab, [[1, 2]], tree="2x5x5")
   with pytest.raises(TypeError, match="TreeShape"):
     spec.generate(fixture_model, small_vocab, [[1, 2]], tree=(2, 2, 2))
+
+
+def test_commit_path_moves_fp8_scales_with_their_entries():
+  """A committed path's K/V entries AND their per-token FP8 scales land at slots start..start+d
+  (a NumPy reference of the move); other slots keep their values."""
+  rng = np.random.default_rng(7)
+  B, S, K, Dh, layers = 2, 24, 2, 4, 2
+  start = np.array([5, 11])
+  path = np.array([[0, 2, 5, 6], [0, 1, 3, 7]])
+  f8 = lambda: [jnp.asarray(rng.standard_normal((B, S, K, Dh)), jnp.float8_e4m3fn)
+                for _ in range(layers)]
+  sc = lambda: [jnp.asarray(rng.uniform(0.5, 2, (B, S, K)), jnp.float32) for _ in range(layers)]
+  cache = kvc.KVCache(k=tuple(f8()), v=tuple(f8()), lengths=jnp.asarray(start + 8, jnp.int32),
+                      k_scale=tuple(sc()), v_scale=tuple(sc()))
+  out = tree_lib.commit_path(cache, jnp.asarray(start, jnp.int32), jnp.asarray(path, jnp.int32))
+  for name in ("k", "v", "k_scale", "v_scale"):
+    for before, after in zip(getattr(cache, name), getattr(out, name)):
+      before = np.asarray(before.astype(jnp.float32))
+      want = before.copy()
+      for b in range(B):
+        want[b, start[b]:start[b] + path.shape[1]] = before[b, start[b] + path[b]]
+      np.testing.assert_array_equal(np.asarray(after.astype(jnp.float32)), want, err_msg=name)
+
+
+@pytest.mark.parametrize("shape", ["3x2x4", "5x4x16"])
+def test_fp8_kv_cache_tree_greedy_lossless(fixture_model, shape):
+  """Tree drafting with an FP8 KV cache (the commit used to drop the scales from the loop carry):
+  output equals plain greedy output of the same FP8-cache target."""
+  from maverick import quant
+  target = quant.quantize_model(fixture_model, quant.QuantConfig(weights=None, kv_cache="fp8"))
+  draft = draft_lib.init_draft(draft_lib.Eagle3Config.for_target(target.config), seed=1)
+  prompts, kw = _prompts(3, seed=3), dict(max_new_tokens=12, stop_tokens=[])
+  assert spec.generate(target, draft, prompts, tree=shape, **kw).tokens == \
+      plain.generate(target, prompts, **kw).tokens
