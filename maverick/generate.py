@@ -78,6 +78,7 @@ def prepare(cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequ
   t_prompt = bucket(lengths.max())
   steps = bucket(max_new.max())
   needed = int((lengths + max_new).max())
+  check_context(cfg, lengths, max_new)
   if max_cache_len is not None and needed > max_cache_len:
     longest = int(lengths.max())
     what = ("the prompt alone" if longest >= max_cache_len else
@@ -106,15 +107,46 @@ def prepare(cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequ
   return req, steps, capacity
 
 
+def check_context(cfg, prompt_lengths, max_new_tokens) -> None:
+  """Refuses rows whose prompt + max_new_tokens runs past the model's context. Refused, not
+  clamped: a silently shorter answer is worse than an error that says what to lower."""
+  lengths = np.asarray(prompt_lengths, np.int64)
+  total = lengths + np.asarray(max_new_tokens, np.int64)
+  context = cfg.max_position_embeddings
+  if (total <= context).all():
+    return
+  i = int(np.argmax(total))
+  what = (f"prompt {i} alone has {lengths[i]} tokens" if lengths[i] >= context else
+          f"prompt {i} ({lengths[i]} tokens) + max_new_tokens ({total[i] - lengths[i]}) = "
+          f"{total[i]}")
+  fix = ("shorten the prompt" if lengths[i] >= context else
+         f"lower max_new_tokens (--max_new_tokens) to at most {context - lengths[i]} or shorten "
+         f"the prompt")
+  raise ValueError(f"{what}, past the model's context of {context} positions "
+                   f"(max_position_embeddings): {fix}")
+
+
+def _token_id(t) -> int:
+  if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+    raise ValueError(f"stop token {t!r} is not an integer token id")
+  return int(t)
+
+
 def _stop_matrix(cfg, batch: int, stop_tokens) -> np.ndarray:
   if stop_tokens is None:
     per_row = [list(cfg.eos_token_ids)] * batch
   elif len(stop_tokens) and isinstance(stop_tokens[0], (list, tuple, np.ndarray)):
     if len(stop_tokens) != batch:
       raise ValueError(f"stop_tokens has {len(stop_tokens)} rows for {batch} prompts")
-    per_row = [list(map(int, s)) for s in stop_tokens]
+    per_row = [[_token_id(t) for t in s] for s in stop_tokens]
   else:
-    per_row = [list(map(int, stop_tokens))] * batch
+    per_row = [[_token_id(t) for t in stop_tokens]] * batch
+  for s in per_row:
+    bad = [t for t in s if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise ValueError(f"stop token ids {bad[:5]} are outside the vocabulary [0, "
+                       f"{cfg.vocab_size}); pass ids the tokenizer produces (e.g. "
+                       f"tokenizer.encode('...') or loaded.stop_tokens)")
   width = max(1, max(len(s) for s in per_row))
   out = np.full((batch, width), NO_STOP, np.int32)
   for i, s in enumerate(per_row):

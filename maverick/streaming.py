@@ -45,6 +45,7 @@ def stream(model, prompt: Sequence[int], *, chunk_tokens: int = 16, max_new_toke
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   if len(prompt) and isinstance(prompt[0], (list, tuple, np.ndarray)):
     raise ValueError("stream() takes ONE prompt (a list of token ids), not a batch")
+  plain.check_context(model.config, [len(prompt)], max_new_tokens)  # before the first chunk
   stops = set(model.config.eos_token_ids if stop_tokens is None else stop_tokens)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_cache_len=max_cache_len,
             stop_tokens=sorted(stops))

@@ -93,6 +93,8 @@ def test_cli_random_model():
     (["--checkpoint=random:tiny", "--prompt=abcdefghij", "--max_cache_len=4"],
      ["KV cache holds 4"]),
     (["--prompt=x", "--kernels=pallas"], ["kernels='pallas' needs a Hopper", "--kernels auto"]),
+    (["--prompt=x", "--max_new_tokens=600", "--spec_k=0"],
+     ["past the model's context of 512", "--max_new_tokens"]),
 ])
 def test_cli_user_errors_are_one_line(args, words):
   r = _run(*args)

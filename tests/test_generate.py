@@ -128,6 +128,17 @@ def test_no_device_to_host_transfer_inside_call(fixture_model):
     ([[1] * 20], {"max_cache_len": 32, "max_new_tokens": 20}, "raise max_cache_len"),
     ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens"),
     ([1, 2, 3], {}, "list of token-id lists"),
+    # The fixture's context is 4096 positions.
+    ([[1] * 4097], {}, "prompt 0 alone has 4097 tokens, past the model's context of 4096"),
+    ([[1, 2], [1] * 4000], {"max_new_tokens": 100},
+     r"prompt 1 \(4000 tokens\) \+ max_new_tokens \(100\) = 4100, past the model's context of "
+     r"4096 positions \(max_position_embeddings\): lower max_new_tokens \(--max_new_tokens\) to "
+     r"at most 96"),
+    ([[1, 2]], {"stop_tokens": [10**9]}, r"stop token ids \[1000000000\] are outside the vocabulary"),
+    ([[1, 2]], {"stop_tokens": [-1]}, r"stop token ids \[-1\] are outside"),
+    ([[1, 2]], {"stop_tokens": [2**31]}, r"stop token ids \[2147483648\] are outside"),
+    ([[1, 2]], {"stop_tokens": [[5], [2.5]]}, "stop_tokens has 2 rows for 1 prompts"),
+    ([[1, 2]], {"stop_tokens": [2.5]}, "stop token 2.5 is not an integer"),
 ])
 def test_bad_input_is_rejected_clearly(fixture_model, prompts, kw, match):
   with pytest.raises(ValueError, match=match):

@@ -250,3 +250,10 @@ def test_cache_limit_below_the_prompt_bucket(fixture_model, random_draft):
   assert plain.generate(fixture_model, prompt, max_cache_len=24, **kw).tokens == want
   assert spec.generate(fixture_model, random_draft, prompt, k=3, max_cache_len=24,
                        **kw).tokens == want
+
+
+def test_speculative_path_checks_context_and_stop_ids(fixture_model, random_draft):
+  with pytest.raises(ValueError, match="past the model's context of 4096"):
+    spec.generate(fixture_model, random_draft, [[1] * 4090], k=3, max_new_tokens=8)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    spec.generate(fixture_model, random_draft, [[1, 2]], k=3, stop_tokens=[-1])

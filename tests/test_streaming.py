@@ -57,6 +57,9 @@ def test_stream_rejects_bad_arguments(fixture_model):
     next(streaming.stream(fixture_model, [1, 2], chunk_tokens=0))
   with pytest.raises(ValueError, match="ONE prompt"):
     next(streaming.stream(fixture_model, [[1, 2], [3]]))
+  # The whole request is checked against the context before the first chunk runs.
+  with pytest.raises(ValueError, match="past the model's context of 4096"):
+    next(streaming.stream(fixture_model, [1] * 4000, max_new_tokens=200))
 
 
 def _cli(*args):
