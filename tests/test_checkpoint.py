@@ -10,6 +10,7 @@ import math
 import os
 import pathlib
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -606,3 +607,62 @@ def test_cli_help():
   assert "Converts a Hugging Face Llama 4 checkpoint" in r.stdout
   for flag in ("--hf_dir", "--out_dir", "--dtype", "--[no]overwrite", "float32|bfloat16|float16"):
     assert flag in r.stdout, flag
+
+
+def _with_offsets(src: pathlib.Path, dst: pathlib.Path, edit) -> None:
+  """Copies a safetensors file with its header's data_offsets changed by edit(header)."""
+  data = src.read_bytes()
+  (n,) = struct.unpack("<Q", data[:8])
+  header = json.loads(data[8:8 + n])
+  edit(header)
+  raw = json.dumps(header).encode()
+  dst.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def _by_offset(header):
+  return sorted((k for k in header if k != "__metadata__"),
+                key=lambda k: header[k]["data_offsets"][0])
+
+
+def _overlap_whole(header):  # a tensor pointed at the bytes of another of the same size
+  names = _by_offset(header)
+  size = lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0]
+  a, b = next((a, b) for i, a in enumerate(names) for b in names[i + 1:] if size(a) == size(b))
+  header[b]["data_offsets"] = list(header[a]["data_offsets"])
+
+
+def _overlap_part(header):  # shifted 2 bytes into the tensor before it
+  k = _by_offset(header)[5]
+  header[k]["data_offsets"] = [o - 2 for o in header[k]["data_offsets"]]
+
+
+def _negative_begin(header):  # reads the header's JSON bytes as weights
+  k = _by_offset(header)[3]
+  begin, end = header[k]["data_offsets"]
+  header[k]["data_offsets"] = [-(end - begin), 0]
+
+
+@pytest.mark.parametrize("edit, words", [
+    (_overlap_whole, ["overlaps tensor"]),
+    (_overlap_part, ["overlaps tensor"]),
+    (_negative_begin, ["data_offsets [-", "0 <= begin <= end"]),
+])
+def test_safetensors_offsets_must_tile_the_data(tmp_path, hf_fixture_dir, edit, words):
+  """Overlapping, partly overlapping and negative data offsets (which the size checks alone let
+  through) are refused before any tensor is read, as the safetensors library refuses them."""
+  import safetensors.numpy
+  src = tmp_path / "hf"
+  src.mkdir()
+  shutil.copy(hf_fixture_dir / "config.json", src)
+  _with_offsets(hf_fixture_dir / "model.safetensors", src / "model.safetensors", edit)
+  with pytest.raises(Exception):  # the independent reference agrees the file is invalid
+    safetensors.numpy.load_file(src / "model.safetensors")
+  out = tmp_path / "out"
+  for load in (lambda: convert_hf_to_orbax(str(src), str(out), progress=False),
+               lambda: load_hf(str(src))):
+    with pytest.raises(CheckpointError) as e:
+      load()
+    assert "model.safetensors" in str(e.value) and "re-download" in str(e.value)
+    for w in words:
+      assert w in str(e.value), (w, str(e.value))
+  _assert_no_output(out)

@@ -136,6 +136,7 @@ def _read_header(path: str) -> tuple[dict, int]:
   if not isinstance(header, dict):
     raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
   header.pop("__metadata__", None)
+  spans = []
   for name, meta in header.items():
     try:
       begin, end = (int(o) for o in meta["data_offsets"])
@@ -143,6 +144,10 @@ def _read_header(path: str) -> tuple[dict, int]:
       dtype = meta["dtype"]
     except (KeyError, TypeError, ValueError):
       raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
+    if not 0 <= begin <= end:
+      raise CheckpointError(f"{path}: tensor {name} has data_offsets [{begin}, {end}]; offsets "
+                            "must satisfy 0 <= begin <= end. The file is corrupt; re-download it")
+    spans.append((begin, end, name))
     # Only the dtypes we can read are size-checked; the others are rejected by name in `plan`.
     if dtype in _READABLE and end - begin != math.prod(shape) * _READABLE[dtype].itemsize:
       raise CheckpointError(f"{path}: tensor {name} ({dtype} {list(shape)}) spans {end - begin} "
@@ -152,6 +157,21 @@ def _read_header(path: str) -> tuple[dict, int]:
   if end > data_size:
     raise CheckpointError(f"{path}: truncated safetensors file: tensors need {end} data bytes, "
                           f"the file has {data_size}; re-download it")
+  # As the format requires (and the safetensors library checks): the tensors' byte ranges tile
+  # the data section exactly, in order, with no overlap and no gap. An overlap would read one
+  # tensor's bytes as another's.
+  pos, previous = 0, None
+  for begin, end, name in sorted(spans):
+    if begin < pos:
+      raise CheckpointError(f"{path}: tensor {name} (bytes [{begin}, {end})) overlaps tensor "
+                            f"{previous} (ending at byte {pos}); the file is corrupt, re-download it")
+    if begin > pos:
+      raise CheckpointError(f"{path}: data bytes [{pos}, {begin}) belong to no tensor (before "
+                            f"tensor {name}); the file is corrupt, re-download it")
+    pos, previous = end, name
+  if pos != data_size:
+    raise CheckpointError(f"{path}: the data section has {data_size} bytes but its tensors cover "
+                          f"{pos}; the file is corrupt, re-download it")
   return header, 8 + n
 
 
