@@ -50,3 +50,11 @@ def define_kernels_flag():
 def kernels_value(flag) -> str | None:
   """The flag's value as `maverick.load(kernels=...)` takes it (auto -> None)."""
   return None if flag.value == "auto" else flag.value
+
+
+def define_check_finite_flag():
+  """--check_finite for scripts that read Hugging Face checkpoints."""
+  return flags.DEFINE_bool(
+      "check_finite", True,
+      "Scan every tensor read from a Hugging Face checkpoint for NaN/inf and stop with an error "
+      "naming it; --nocheck_finite skips the scan for a trusted checkpoint.")

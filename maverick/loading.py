@@ -43,9 +43,11 @@ class Loaded:
 def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
          rules: sharding_lib.Rules = sharding_lib.REPLICATED, seed: int = 0,
          moe_impl: str = "tiles", layout: str = "tp", quant=None,
-         kernels: str | None = None) -> Loaded:
+         kernels: str | None = None, check_finite: bool = True) -> Loaded:
   """Loads a model and its tokenizer.
 
+  check_finite: scan each tensor of a Hugging Face directory for NaN/inf as it is read (an error
+  naming the tensor); False skips the scan for a trusted checkpoint.
   kernels: None (auto: Pallas kernels on a Hopper/Blackwell GPU for calls whose kernel config
   passed its on-device self-check, XLA elsewhere), "xla" or "pallas" (see maverick/kernels.py).
 
@@ -67,14 +69,14 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
   into the shardings (also across processes after `sharding.initialize_distributed`).
   """
   loaded = _load(source, dtype=dtype, mesh=mesh, rules=rules, seed=seed, moe_impl=moe_impl,
-                 layout=layout, quant=quant)
+                 layout=layout, quant=quant, check_finite=check_finite)
   if mesh is not None and sharding_lib.plan_of(loaded.model) is None:
     sharding_lib.shard_model(loaded.model, mesh, layout)
   kernels_lib.set_kernels(loaded.model, kernels)
   return loaded
 
 
-def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant) -> Loaded:
+def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_finite) -> Loaded:
   if source in EMBEDDED:
     path = EMBEDDED[source]
     if not store.is_orbax_checkpoint(path):
@@ -108,7 +110,7 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant) -> Loade
   elif store.is_orbax_checkpoint(source):
     model = store.load_orbax(source, mesh=mesh, rules=rules, dtype=dtype, moe_impl=moe_impl)
   elif os.path.isfile(os.path.join(source, "config.json")):
-    model = store.load_hf(source, dtype=dtype, moe_impl=moe_impl)
+    model = store.load_hf(source, dtype=dtype, moe_impl=moe_impl, check_finite=check_finite)
   else:
     raise CheckpointError(f"{source} holds neither {store.META_FILE} (converted checkpoint) nor "
                           "config.json (Hugging Face checkpoint)")

@@ -38,6 +38,7 @@ _OVERWRITE = flags.DEFINE_bool(
     "Replace --out_dir if it holds a previous maverick checkpoint (any other existing path is "
     "refused).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.")
+_CHECK_FINITE = cli.define_check_finite_flag()
 
 
 
@@ -61,6 +62,7 @@ def main(argv):
 
   try:
     out = convert_hf_to_orbax(hf_dir, _OUT_DIR.value, dtype=_DTYPE.value,
+                              check_finite=_CHECK_FINITE.value,
                               overwrite=_OVERWRITE.value, progress=_PROGRESS.value)
   except (CheckpointError, ConfigError, FileExistsError, PermissionError) as e:
     # User mistakes: one line, no traceback. Anything else is a bug and keeps its traceback.

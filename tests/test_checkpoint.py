@@ -34,6 +34,7 @@ from maverick.checkpoint import (
   save_orbax,
   store,
 )
+from maverick.checkpoint import hf as hf_lib
 from maverick.config import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -666,3 +667,48 @@ def test_safetensors_offsets_must_tile_the_data(tmp_path, hf_fixture_dir, edit, 
     for w in words:
       assert w in str(e.value), (w, str(e.value))
   _assert_no_output(out)
+
+
+def _with_nonfinite(t, name, value, where):
+  w = np.array(t[name], copy=True)
+  w.reshape(-1)[list(where)] = value
+  t[name] = w
+
+
+@pytest.mark.parametrize("name, value, where, dtype, count", [
+    ("model.layers.1.self_attn.q_proj.weight", np.nan, [7], np.float32, 1),
+    ("model.embed_tokens.weight", np.inf, [0, 5, 99], ml_dtypes.bfloat16, 3),
+    ("model.layers.3.feed_forward.experts.down_proj", -np.inf, [2, 4], np.float16, 2),
+], ids=["nan_q_proj_f32", "inf_embed_bf16", "neg_inf_down_f16"])
+def test_nonfinite_weights_are_refused(tmp_path, hf_fixture_dir, fixture_tensors, name, value,
+                                       where, dtype, count):
+  """One NaN in a q_proj or an inf in embed_tokens used to convert and load silently (greedy output
+  all token 0): both paths now stop naming the tensor and the count; --nocheck_finite loads it."""
+  t = {k: v.astype(dtype) for k, v in fixture_tensors.items()}
+  _with_nonfinite(t, name, value, where)
+  src = _write_hf(tmp_path / "hf", _read_config(hf_fixture_dir), t)
+  out = tmp_path / "out"
+  for load in (lambda **kw: convert_hf_to_orbax(str(src), str(out), progress=False, **kw),
+               lambda **kw: load_hf(str(src), **kw)):
+    with pytest.raises(CheckpointError) as e:
+      load()
+    assert f"tensor {name} has {count} NaN/inf value(s)" in str(e.value), str(e.value)
+    assert "--nocheck_finite" in str(e.value)
+  _assert_no_output(out)
+  load_hf(str(src), check_finite=False)  # trusted: the scan is skipped
+
+
+def test_count_nonfinite_matches_numpy():
+  """The bit-pattern count against np.isfinite, for every readable dtype (FP8: its NaN codes)."""
+  rng = np.random.default_rng(4)
+  x = rng.standard_normal(5000).astype(np.float32)
+  x[rng.choice(5000, 40, replace=False)] = rng.choice([np.nan, np.inf, -np.inf], 40)
+  for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+    y = x.astype(dtype)
+    want = int(np.count_nonzero(~np.isfinite(y.astype(np.float64))))
+    assert hf_lib.count_nonfinite(y, chunk=333) == want == 40
+  f8 = np.nan_to_num(x, nan=1.0, posinf=2.0, neginf=-2.0).astype(ml_dtypes.float8_e4m3fn)
+  bits = f8.view(np.uint8)
+  bits[:7] = 0x7F
+  bits[7:10] = 0xFF  # both NaN encodings of e4m3fn (it has no inf)
+  assert hf_lib.count_nonfinite(f8) == 10

@@ -178,8 +178,11 @@ def _read_header(path: str) -> tuple[dict, int]:
 class SafetensorsCheckpoint:
   """A single `model.safetensors` or a sharded set with `model.safetensors.index.json`."""
 
-  def __init__(self, directory: str):
+  def __init__(self, directory: str, *, check_finite: bool = True):
+    """check_finite: every tensor read is scanned for NaN/inf (FP8 NaN encodings too) and one
+    that has any is an error naming it; False skips the scan for a trusted checkpoint."""
     self.directory = directory
+    self.check_finite = check_finite
     index_path = os.path.join(directory, INDEX_FILE)
     single = os.path.join(directory, SINGLE_FILE)
     if os.path.isfile(index_path):
@@ -226,7 +229,28 @@ class SafetensorsCheckpoint:
                       count=math.prod(info.shape), offset=info.begin)
     if arr.size != math.prod(info.shape):  # the file shrank after the header was checked
       raise CheckpointError(f"{info.file}: tensor {name} is truncated; re-download the file")
-    return arr.astype(dtype.newbyteorder("="), copy=False).reshape(info.shape)
+    arr = arr.astype(dtype.newbyteorder("="), copy=False).reshape(info.shape)
+    if self.check_finite:
+      bad = count_nonfinite(arr)
+      if bad:
+        raise CheckpointError(
+            f"{info.file}: tensor {name} has {bad} NaN/inf value(s) out of {arr.size}; the "
+            f"checkpoint is damaged (re-download or repair it). To load it anyway, pass "
+            f"--nocheck_finite (check_finite=False).")
+    return arr
+
+
+# Exponent bits of each readable dtype: all set means inf or NaN (e4m3fn: no inf, NaN = S.1111.111).
+_NONFINITE_MASK = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00),
+                   "bfloat16": (np.uint16, 0x7F80), "float8_e4m3fn": (np.uint8, 0x7F)}
+
+
+def count_nonfinite(arr: np.ndarray, chunk: int = 1 << 24) -> int:
+  """NaN/inf count from the bit patterns, in chunks: no float copy of a multi-GB tensor."""
+  uint, mask = _NONFINITE_MASK[arr.dtype.name]
+  bits = arr.reshape(-1).view(uint)
+  return sum(int(np.count_nonzero((bits[i:i + chunk] & mask) == mask))
+             for i in range(0, bits.size, chunk))
 
 
 def plan(ckpt: SafetensorsCheckpoint, cfg: Config) -> list[tuple[str, Source]]:

@@ -162,13 +162,15 @@ def _hf_parts(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, dtype, pro
 
 
 def convert_hf_to_orbax(hf_dir: str, out_dir: str, *, dtype: str | None = None,
-                        overwrite: bool = False, progress: bool = True) -> str:
+                        overwrite: bool = False, progress: bool = True,
+                        check_finite: bool = True) -> str:
   """Converts a HF Llama 4 checkpoint directory (single or sharded safetensors) to our format.
 
-  Names, shapes and dtypes are all checked from the headers before anything is written.
+  Names, shapes and dtypes are all checked from the headers before anything is written; each
+  tensor is checked for NaN/inf as it streams through (`check_finite=False` skips that).
   """
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
-  ckpt = hf.SafetensorsCheckpoint(hf_dir)
+  ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
   if hf_fp8.is_fp8(ckpt):  # kept in FP8; the derived quant config is recorded in maverick.json
     cfg, items = hf_fp8.plan(ckpt, cfg, hf_dir)
     parts = hf_fp8.iter_parts(ckpt, items, progress=progress)
@@ -292,11 +294,12 @@ def full_path(part: str, key: tuple[str, ...]) -> tuple:
   return ("layers", int(part[6:])) + tuple(key) if part.startswith("layer_") else tuple(key)
 
 
-def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles"
-            ) -> model_lib.Llama4:
-  """Loads a HF checkpoint directly (no conversion), one tensor at a time onto the device."""
+def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles",
+            check_finite: bool = True) -> model_lib.Llama4:
+  """Loads a HF checkpoint directly (no conversion), one tensor at a time onto the device; each
+  tensor is checked for NaN/inf (`check_finite=False` skips that)."""
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
-  ckpt = hf.SafetensorsCheckpoint(hf_dir)
+  ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
   if hf_fp8.is_fp8(ckpt):
     cfg, items = hf_fp8.plan(ckpt, cfg, hf_dir)
     arrays = {path: jax.device_put(x) for path, x in hf_fp8.iter_params(ckpt, items)}
