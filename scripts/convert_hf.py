@@ -11,6 +11,7 @@ Usage:
 """
 
 import os
+import signal
 import sys
 
 from absl import app
@@ -60,6 +61,16 @@ def main(argv):
   from maverick.checkpoint import CheckpointError, convert_hf_to_orbax
   from maverick.config import ConfigError
 
+  from maverick.checkpoint import hf
+
+  def interrupted(signum, frame):
+    # Ctrl-C and SIGTERM (kill, a job scheduler) stop at the next tensor and clean up; a second
+    # one stops at once.
+    if hf.interrupt.is_set():
+      raise KeyboardInterrupt
+    hf.interrupt.set()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, interrupted)
   try:
     out = convert_hf_to_orbax(hf_dir, _OUT_DIR.value, dtype=_DTYPE.value,
                               check_finite=_CHECK_FINITE.value,

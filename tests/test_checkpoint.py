@@ -712,3 +712,54 @@ def test_count_nonfinite_matches_numpy():
   bits[:7] = 0x7F
   bits[7:10] = 0xFF  # both NaN encodings of e4m3fn (it has no inf)
   assert hf_lib.count_nonfinite(f8) == 10
+
+
+def _start_conversion_and_signal(hf_dir, out, sig):
+  """Starts scripts/convert_hf.py and sends `sig` once its first layer has been written."""
+  import signal
+  import time
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.Popen([sys.executable, str(CLI), f"--hf_dir={hf_dir}", f"--out_dir={out}",
+                        "--noprogress"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 120
+  while not list(out.parent.glob(f"{out.name}.tmp-{p.pid}/params/layer_000")):
+    assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+    time.sleep(0.002)
+  p.send_signal(getattr(signal, sig))
+  _, err = p.communicate(timeout=120)
+  return p, err
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupted_conversion_cleans_up_with_one_line(tmp_path, hf_fixture_dir, sig):
+  """Ctrl-C and SIGTERM stop at the next tensor, remove the temporary output and print one line
+  (raising from the signal handler used to surface as thread tracebacks / a SystemError)."""
+  out = tmp_path / "out"
+  p, err = _start_conversion_and_signal(hf_fixture_dir, out, sig)
+  assert p.returncode == 1, err
+  assert err.strip() == f"convert_hf: error: interrupted; nothing was written to {out}", err
+  assert sorted(tmp_path.iterdir()) == []
+
+
+def test_killed_conversion_is_cleaned_and_redone_identically(tmp_path, hf_fixture_dir, converted,
+                                                             capsys):
+  """SIGKILL runs no cleanup: the next conversion to the same output removes the dead run's
+  temporary (and says so) and writes the same checkpoint as an uninterrupted run."""
+  out = tmp_path / "out"
+  p, _ = _start_conversion_and_signal(hf_fixture_dir, out, "SIGKILL")
+  leftover = tmp_path / f"out.tmp-{p.pid}"
+  assert p.returncode == -9 and leftover.is_dir() and not out.exists()
+  convert_hf_to_orbax(str(hf_fixture_dir), str(out), progress=False)
+  err = capsys.readouterr().err
+  assert f"removed {leftover}, left by an interrupted run (process {p.pid} is gone)" in err
+  assert sorted(x.name for x in tmp_path.iterdir()) == ["out"]
+  assert_same_params(load_orbax(str(out)), load_orbax(str(converted)))
+
+
+def test_output_being_written_by_a_live_process_is_refused(tmp_path, hf_fixture_dir):
+  busy = tmp_path / f"out.tmp-{os.getppid()}"  # a process that is alive
+  busy.mkdir()
+  with pytest.raises(FileExistsError, match=f"{busy} is being written by process {os.getppid()}"):
+    convert_hf_to_orbax(str(hf_fixture_dir), str(tmp_path / "out"), progress=False)
+  assert busy.is_dir()

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+import threading
 from typing import Callable, Iterator
 
 import jax.numpy as jnp
@@ -35,6 +36,18 @@ _FLOAT_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype(ml_dtypes.bfloat16),
 # FP8 weights (e4m3, as in the official Maverick FP8 checkpoint); read by the FP8 importer (hf_fp8).
 _FP8_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
 _READABLE = {**_FLOAT_DTYPES, **_FP8_DTYPES}
+
+
+# Cooperative interruption: a signal handler (scripts/convert_hf.py) sets this and the reading /
+# writing loops raise KeyboardInterrupt at their next tensor or part. Raising straight from the
+# handler would land inside C code (a file read, an orbax thread pool) and surface as a
+# SystemError or as thread tracebacks instead of a clean unwind.
+interrupt = threading.Event()
+
+
+def raise_if_interrupted() -> None:
+  if interrupt.is_set():
+    raise KeyboardInterrupt
 
 
 class CheckpointError(ValueError):
@@ -220,6 +233,7 @@ class SafetensorsCheckpoint:
 
   def read(self, name: str) -> np.ndarray:
     """The tensor as a writable NumPy array (F32, F16, BF16 or F8_E4M3)."""
+    raise_if_interrupted()
     info = self.tensors[name]
     if info.dtype not in _READABLE:
       raise CheckpointError(f"tensor {name} has dtype {info.dtype}; expected one of "

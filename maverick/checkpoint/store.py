@@ -12,9 +12,11 @@ written to `<out>.tmp-<pid>` and renamed at the end: a failed run leaves no outp
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
+import sys
 from typing import Iterable, Mapping
 
 import jax
@@ -75,6 +77,16 @@ def _param_paths(cfg: config_lib.Config) -> dict[tuple, jax.ShapeDtypeStruct]:
   return {p: v.get_value() for p, v in nnx.to_flat_state(abstract)}
 
 
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # exists, owned by someone else
+    return True
+  return True
+
+
 class AtomicDir:
   """Writes into a temporary sibling directory, renamed into place only on success.
 
@@ -95,9 +107,29 @@ class AtomicDir:
     self.tmp = f"{self.out_dir}.tmp-{os.getpid()}"
 
   def __enter__(self):
+    self.remove_stale_temporaries()
     shutil.rmtree(self.tmp, ignore_errors=True)
     os.makedirs(self.tmp)
     return self.tmp
+
+  def remove_stale_temporaries(self) -> list[str]:
+    """Removes `<out>.tmp-<pid>` left by killed runs (SIGKILL, power loss: no cleanup ran) for
+    this output, saying so on stderr; one whose process still runs is another writer of the same
+    output, and an error. Returns the removed paths."""
+    removed = []
+    for path in sorted(glob.glob(glob.escape(self.out_dir) + ".tmp-*")):
+      pid = path.rsplit(".tmp-", 1)[1]
+      if not pid.isdigit() or int(pid) == os.getpid():
+        continue
+      if _process_alive(int(pid)):
+        raise FileExistsError(
+            f"{path} is being written by process {pid} (another run writing {self.out_dir}); "
+            f"wait for it to finish, or stop it and delete {path}")
+      shutil.rmtree(path, ignore_errors=True)
+      print(f"removed {path}, left by an interrupted run (process {pid} is gone)",
+            file=sys.stderr)
+      removed.append(path)
+    return removed
 
   def __exit__(self, exc_type, exc, tb):
     if exc_type is not None:
@@ -127,6 +159,7 @@ def _write(out_dir: str, cfg: config_lib.Config,
     ckptr = ocp.StandardCheckpointer()
     try:
       for part, flat in parts:
+        hf.raise_if_interrupted()
         ckptr.save(os.path.join(tmp, "params", part), _nest(flat))
         ckptr.wait_until_finished()
         names.append(part)
