@@ -29,7 +29,7 @@ from maverick import sampling
 from maverick import sharding
 from maverick.model import Llama4, TreeMask
 from spec_decode.draft import Eagle3Draft
-from spec_decode.tree import (TreeShape, commit_path, draft_tree, gather_path, verify_layout,
+from spec_decode.tree import (MAX_DRAFT_DEPTH, TreeShape, commit_path, draft_tree, gather_path, verify_layout,
                               verify_tree)
 from spec_decode.verify import Candidates, chain_parents, verify_chain
 
@@ -49,18 +49,31 @@ def _features(hidden):  # [3, B, T, D] captured layer outputs -> [B, T, 3D], low
 def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, params, key, *,
                 k: int, vocab: int) -> tuple[Candidates, object]:
   """From the draft's output at the last committed position, draft K candidates by a chain of
-  single-token draft steps at positions committed, committed+1, ... (overwriting stale entries)."""
-  tokens, probs = [], []
-  for j in range(k):
+  single-token draft steps at positions committed, committed+1, ... (overwriting stale entries).
+  The K-1 draft steps are one `fori_loop`, so compile time does not grow with K."""
+  B = logits.shape[0]
+
+  def sample(logits, key):
     key, sub = jax.random.split(key)
     q = sampling.probabilities(draft.lift_logits(logits, vocab), params)
-    tok = sampling.draw(sub, jnp.log(q), params)
-    tokens.append(tok)
-    probs.append(q)
-    if j + 1 < k:
-      out = draft(tok[:, None], hidden[:, None], embed, cache=dcache.with_lengths(committed + j))
-      logits, hidden, dcache = out.logits[:, 0], out.hidden[:, 0], out.cache
-  return Candidates(jnp.stack(tokens, 1), jnp.stack(probs, 1), chain_parents(k)), dcache
+    return key, q, sampling.draw(sub, jnp.log(q), params)
+
+  def step(j, carry):
+    logits, hidden, dcache, key, tokens, probs = carry
+    key, q, tok = sample(logits, key)
+    tokens, probs = tokens.at[:, j].set(tok), probs.at[:, j].set(q)
+    out = draft(tok[:, None], hidden[:, None], embed, cache=dcache.with_lengths(committed + j))
+    return out.logits[:, 0], out.hidden[:, 0], out.cache, key, tokens, probs
+
+  tokens = jnp.zeros((B, k), jnp.int32)
+  q_dtype = jax.eval_shape(lambda l: sampling.probabilities(draft.lift_logits(l, vocab), params),
+                           logits).dtype
+  probs = jnp.zeros((B, k, vocab), q_dtype)
+  logits, _, dcache, key, tokens, probs = jax.lax.fori_loop(
+      0, k - 1, step, (logits, hidden, dcache, key, tokens, probs))
+  _, q, tok = sample(logits, key)  # the last draft token needs no draft step after it
+  tokens, probs = tokens.at[:, k - 1].set(tok), probs.at[:, k - 1].set(q)
+  return Candidates(tokens, probs, chain_parents(k)), dcache
 
 
 def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Request, *, k: int,
@@ -197,6 +210,10 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
   elif not (isinstance(k, (int, np.integer)) and k >= 1):
     raise ValueError(f"speculative decoding needs k >= 1 draft tokens per round, got k={k}; use "
                      "maverick.generate.generate (or --spec_k 0) for plain decoding")
+  elif k > MAX_DRAFT_DEPTH:
+    raise ValueError(f"k={k} draft tokens per round is past the limit of {MAX_DRAFT_DEPTH} "
+                     f"(--spec_k): deeper drafts are almost never accepted and each costs a "
+                     f"draft step and a verified position; use 3-8")
   else:
     k, slack = int(k), int(k) + 1  # a verify window may run K+1 positions past the last token
   draft.config.check_target(target.config)

@@ -33,6 +33,13 @@ from maverick.model import TreeMask
 from spec_decode.verify import target_probabilities
 
 
+# The longest draft (chain K or tree depth) and the largest tree taken: acceptance of draft
+# position j decays roughly geometrically (the embedded pair accepts position 3 in ~40 % of
+# rounds), so past these the verify work only grows.
+MAX_DRAFT_DEPTH = 16
+MAX_TREE_NODES = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
   """depth: levels of draft tokens; topk: children per expanded node (and frontier width);
@@ -46,6 +53,11 @@ class TreeShape:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"tree {name} must be a positive integer, got {value!r}")
+    if self.depth > MAX_DRAFT_DEPTH or self.nodes > MAX_TREE_NODES:
+      raise ValueError(
+          f"tree {self.depth}x{self.topk}x{self.nodes} is past the limits (depth <= "
+          f"{MAX_DRAFT_DEPTH}, nodes <= {MAX_TREE_NODES}): deeper drafts are almost never accepted "
+          f"and every node is verified each round; use a smaller --tree_depth / --tree_nodes")
     if self.nodes < self.depth:
       raise ValueError(
           f"tree node count {self.nodes} is smaller than tree depth {self.depth}: the tree could "
