@@ -466,7 +466,8 @@ def time_case(case: Case, on_gpu: bool, iters: int, interpret: bool, peaks: dict
     if case.args is None:
       case.args = case.make()
     l2 = (peaks or {}).get("l2_MB", 128) * 1e6
-    copies = _copies(case.args, case.bytes, l2)
+    # Interpret mode has no cache to flush, and every copy is one more interpreted call.
+    copies = [case.args, case.args] if interpret else _copies(case.args, case.bytes, l2)
     row["input_copies"] = len(copies)
     ms = time_fn(case.kernel, copies, on_gpu, iters, interpret)
     row.update(time_us=ms * 1e3, TFLOPs=case.flops / ms / 1e9, GBps=case.bytes / ms / 1e6,
@@ -503,7 +504,9 @@ def shard_config(toy: bool):
   from maverick import config as config_lib
   from maverick.quant import QuantConfig
   if toy:
-    return config_lib.tiny("bfloat16").replace(quant=QuantConfig())
+    return config_lib.tiny("bfloat16").replace(  # 4 layers: 2 MoE, 1 NoPE, fewer to compile
+        num_hidden_layers=4, no_rope_layers=None, moe_layers=None, layer_types=None,
+        quant=QuantConfig())
   cfg = config_lib.maverick()
   return cfg.replace(num_attention_heads=cfg.num_attention_heads // TP,
                      num_key_value_heads=max(1, cfg.num_key_value_heads // TP),
@@ -512,7 +515,7 @@ def shard_config(toy: bool):
                      vocab_size=cfg.vocab_size // TP, quant=QuantConfig())
 
 
-def run_e2e(toy: bool, interpret: bool, kernels_list, budget: Budget, loop_flags: str,
+def run_e2e(toy: bool, interpret: bool, kernels_list, modes, budget: Budget, loop_flags: str,
             batch: int, on_gpu: bool, emit) -> None:
   """Appends one row per (kernels, plain/spec) to the results through `emit(row)`."""
   import jax
@@ -527,12 +530,16 @@ def run_e2e(toy: bool, interpret: bool, kernels_list, budget: Budget, loop_flags
   from spec_decode import speculative
   from spec_decode.draft import Eagle3Config, init_draft
 
-  cfg = shard_config(toy)
   t0 = time.perf_counter()
-  model = model_lib.init_model(cfg, seed=0)  # jax.random on the device: no host copies
-  dcfg = Eagle3Config.for_target(cfg)
-  draft = init_draft(dcfg, seed=1)
-  jax.block_until_ready((nnx.state(model), nnx.state(draft)))
+  try:
+    cfg = shard_config(toy)
+    model = model_lib.init_model(cfg, seed=0)  # jax.random on the device: no host copies
+    draft = init_draft(Eagle3Config.for_target(cfg), seed=1)
+    jax.block_until_ready((nnx.state(model), nnx.state(draft)))
+  except Exception as e:  # recorded, not fatal
+    emit({"mode": ",".join(modes), "kernels": ",".join(kernels_list), "loop_flags": loop_flags,
+          "status": f"failed building the model: {_error(e)}"})
+    return
   init_s = time.perf_counter() - t0
   n_bytes = sum(v.nbytes for _, v in nnx.to_flat_state(nnx.state(model)))
   prompt_len, long_new, short_new = 16, 64, 33  # 64 and 33 share the step bucket (64): one compile
@@ -556,7 +563,7 @@ def run_e2e(toy: bool, interpret: bool, kernels_list, budget: Budget, loop_flags
       return profiling.count_device_to_host(files[0]) if files else None
 
   for kernels in kernels_list:
-    for mode in ("plain", "spec"):
+    for mode in modes:
       row = dict(base, kernels=kernels, mode=mode)
       if budget.over():
         row["status"] = "skipped: over the section's time budget"
@@ -572,7 +579,7 @@ def run_e2e(toy: bool, interpret: bool, kernels_list, budget: Budget, loop_flags
                                                 stop_tokens=[])
         first = call(long_new)
         row["compile_s"] = first.compile_seconds
-        reps = 1 if toy else 3
+        reps = 3
         t_long, g_long = timed(call, long_new, reps)
         t_short, g_short = timed(call, short_new, reps)
         if mode == "plain":
@@ -661,7 +668,7 @@ def evaluate_goals(p: dict) -> list[dict]:
 
 
 def _fmt(v, spec=".1f"):
-  if isinstance(v, (int, float)) and not isinstance(v, bool):
+  if isinstance(v, float):
     return format(v, spec)
   return "-" if v is None else str(v)
 
@@ -721,6 +728,8 @@ def parse_args(argv):
   ap.add_argument("--iters", type=int, default=None, help="timed runs per function (median)")
   ap.add_argument("--batch", type=int, default=1, help="e2e batch")
   ap.add_argument("--e2e_kernels", default=None, help="comma list (default pallas,xla; toy: xla)")
+  ap.add_argument("--e2e_modes", default="plain,spec", help="plain (decode step) and/or spec "
+                  "(EAGLE-3 K=3 round)")
   ap.add_argument("--no_flags_off", action="store_true", help="skip the flags-off child run")
   ap.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "results"))
   ap.add_argument("--child_out", default=None, help=argparse.SUPPRESS)  # the flags-off child
@@ -767,7 +776,8 @@ def main(argv=None) -> int:
         env["XLA_FLAGS"] = _ORIGINAL_XLA_FLAGS
       cmd = [sys.executable, str(Path(__file__).resolve()), "--sections", "e2e", "--budget_s",
              str(child_budget), "--batch", str(args.batch), "--child_out", str(out),
-             "--e2e_kernels", (args.e2e_kernels or ("xla" if args.toy else "pallas"))]
+             "--e2e_kernels", (args.e2e_kernels or ("xla" if args.toy else "pallas")),
+             "--e2e_modes", args.e2e_modes]
       cmd += ["--interpret"] * args.interpret + ["--toy"] * args.toy
       t = time.monotonic()
       try:
@@ -796,6 +806,9 @@ def main(argv=None) -> int:
   peaks = peaks_for(kind) if on_gpu else None
   iters = args.iters or (1 if args.interpret else 10)
   e2e_kernels = (args.e2e_kernels or ("xla" if args.toy else "pallas,xla")).split(",")
+  e2e_modes = [m for m in args.e2e_modes.split(",") if m]
+  if set(e2e_modes) - {"plain", "spec"}:
+    raise SystemExit(f"--e2e_modes: {args.e2e_modes!r}; use plain and/or spec")
 
   if child:  # only the e2e rows, as JSON, for the parent
     rows = []
@@ -806,8 +819,8 @@ def main(argv=None) -> int:
       tmp.write_text(json.dumps(rows, default=str))
       os.replace(tmp, args.child_out)
 
-    run_e2e(args.toy, args.interpret, e2e_kernels, Budget(args.budget_s), "off", args.batch,
-            on_gpu, emit_child)
+    run_e2e(args.toy, args.interpret, e2e_kernels, e2e_modes, Budget(args.budget_s), "off",
+            args.batch, on_gpu, emit_child)
     return 0
 
   payload = {
@@ -874,7 +887,8 @@ def main(argv=None) -> int:
               f"d2h={row.get('d2h_copies_per_call')} {str(row.get('status'))[:80]}", flush=True)
         results.write()
 
-      run_e2e(args.toy, args.interpret, e2e_kernels, budget, loop_flags, args.batch, on_gpu, emit)
+      run_e2e(args.toy, args.interpret, e2e_kernels, e2e_modes, budget, loop_flags, args.batch,
+              on_gpu, emit)
   finally:
     watchdog.cancel()
     payload["wall_s"] = time.monotonic() - start
