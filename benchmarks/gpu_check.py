@@ -148,7 +148,7 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
 
   FP8, BF16 = jnp.float8_e4m3fn, jnp.bfloat16
   on_gpu = arch is not None
-  mgpu = _jax_mgpu_ops() if on_gpu else {}
+  mgpu = _jax_mgpu_ops(arch) if on_gpu else {}
 
   @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
   def draw(key, shape, dtype, scale, kind):
@@ -177,7 +177,7 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
 
     baselines = {("xla_fp8_dot_scaled (cuBLASLt)" if fp8 else "xla_bf16_dot (cuBLAS)"):
                  (_same, call("xla"))}
-    if not fp8 and "matmul" in mgpu:  # JAX's reference Mosaic GPU matmul takes w as [K, N]
+    if not fp8 and regime == "prefill" and "matmul" in mgpu:  # takes w as [K, N]; M % 128 == 0
       prep = lambda a: (a[0], a[1].T.copy())
       baselines[f"jax {mgpu['matmul_name']}"] = (prep, lambda x, wt: mgpu["matmul"](x, wt))
     item = jnp.dtype(dtype).itemsize
@@ -270,8 +270,9 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
     if on_gpu:
       baselines["cudnn causal"] = (_same, lambda q, k, v, n: jax.nn.dot_product_attention(
           q, k, v, is_causal=True, implementation="cudnn"))
-      if "attention" in mgpu:
-        baselines["jax attention_mgpu"] = (_same, lambda q, k, v, n: mgpu["attention"](q, k, v))
+      if "attention" in mgpu:  # its softmax path is f16-only here; f16 and bf16 MMAs cost the same
+        to_f16 = lambda a: tuple(x.astype(jnp.float16) for x in a[:3])
+        baselines["jax attention_mgpu (f16)"] = (to_f16, mgpu["attention"])
     c = chunk or t
     full, rest = divmod(t, c)
     pairs = full * c * (c + 1) // 2 + rest * (rest + 1) // 2
@@ -349,12 +350,10 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
   return cases
 
 
-def _jax_mgpu_ops() -> dict:
+def _jax_mgpu_ops(arch: str) -> dict:
   """JAX's own Mosaic GPU kernels (jax.experimental.pallas.ops.gpu), where this jax has them."""
   import importlib
-
-  from pallas_kernels import common
-  ops, arch = {}, common.gpu_arch()
+  ops = {}
 
   def load(name):
     try:
@@ -364,18 +363,20 @@ def _jax_mgpu_ops() -> dict:
 
   if arch == "sm90" and (mod := load("hopper_matmul_mgpu")):
     cfg = mod.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
-    ops["matmul"], ops["matmul_name"] = (lambda a, b: mod.matmul(a, b, None, cfg)), "hopper_matmul_mgpu"
+    ops["matmul"] = lambda a, b, mod=mod, cfg=cfg: mod.matmul(a, b, None, cfg)  # bind now
+    ops["matmul_name"] = "hopper_matmul_mgpu"
   if arch == "sm100" and (mod := load("blackwell_matmul_mgpu")):
     cfg = mod.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
                            collective=False)
-    ops["matmul"], ops["matmul_name"] = (lambda a, b: mod.matmul_kernel(a, b, cfg)), "blackwell_matmul_mgpu"
+    ops["matmul"] = lambda a, b, mod=mod, cfg=cfg: mod.matmul_kernel(a, b, cfg)
+    ops["matmul_name"] = "blackwell_matmul_mgpu"
   if arch == "sm90" and (mod := load("ragged_dot_mgpu")):
-    ops["ragged_dot"] = lambda x, w, g, transpose_rhs: mod.ragged_dot(
+    ops["ragged_dot"] = lambda x, w, g, transpose_rhs, mod=mod: mod.ragged_dot(
         x, w, group_sizes=g, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
         grid_block_n=1, transpose_rhs=transpose_rhs)
   if arch == "sm90" and (mod := load("attention_mgpu")):
     cfg = mod.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
-    ops["attention"] = lambda q, k, v: mod.attention(q, k, v, cfg)
+    ops["attention"] = lambda q, k, v, mod=mod, cfg=cfg: mod.attention(q, k, v, cfg)
   return ops
 
 
