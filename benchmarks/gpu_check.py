@@ -762,6 +762,9 @@ def main(argv=None) -> int:
     os.environ["MAVERICK_GPU_LOOP_FLAGS"] = "0"
   from maverick import gpu_flags
   flag_status = gpu_flags.configure()
+  ours = {name for name, _ in gpu_flags.LOOP_FLAGS}
+  if flag_status == "already-set" and not gpu_flags.flag_names(_ORIGINAL_XLA_FLAGS or "") & ours:
+    flag_status = "set"  # by `import maverick`, a moment ago
   if gpu_flags.cuda_expected() and not args.interpret:
     # A trace shows what runs unprofiled only if command buffers stay on while profiling.
     os.environ["XLA_FLAGS"] = gpu_flags.merge(
