@@ -67,3 +67,26 @@ def test_peaks_and_names():
   assert gpu_check.peaks_for("NVIDIA B200")["fp8_TFLOPs"] == 4500.0
   assert gpu_check.peaks_for("NVIDIA A100-SXM4-80GB") is None
   assert gpu_check.sanitize("NVIDIA H200 NVL") == "nvidia-h200-nvl"
+
+
+def test_shard_cases_lower_for_sm90():
+  """Every kernel case of the GPU run, at the TP8-rank shard shapes, goes through Mosaic GPU layout
+  inference and lowering on this host (only shapes: nothing is allocated). The one case the kernel
+  does not take (lm_head, N = 202048 / 8 = 25256 is not a multiple of 16) is refused up front, as
+  the GPU run records it."""
+  import jax
+
+  from pallas_kernels import common
+  gpu_check = _load()
+  cases = gpu_check.build_cases(False, "sm90")
+  assert {c.op for c in cases} == {"gemm", "grouped_gemm", "prefill_attention", "decode_attention"}
+  refused = []
+  for case in cases:
+    abstract = jax.eval_shape(case.make)
+    try:
+      text = common.lower_for_gpu(case.kernel, *abstract, arch="sm90")
+    except common.KernelInputError:
+      refused.append(case.name)
+      continue
+    assert "mosaic_gpu" in text, case.name
+  assert refused == ["maverick/scout decode lm_head bfloat16 M=16 N=25256 K=5120"]
