@@ -21,10 +21,14 @@ and body is a command too, so:
   --xla_gpu_graph_min_graph_size=1
         capture a region even when it is a lone `while` between other thunks.
 
-Mosaic GPU kernels (our Pallas kernels) are `mosaic_gpu_v2` FFI custom calls, registered with the
-command-buffer-compatible trait, and CUSTOM_CALL is a default type, so they can sit inside the
-graph. Anything else that is not a command (a host callback, a non-FFI legacy custom call) keeps the
-whole loop op-by-op: `benchmarks/gpu_check.py` counts device-to-host copies in a profile to check.
+Mosaic GPU kernels (our Pallas kernels) are `mosaic_gpu_v2` FFI custom calls whose handlers are
+registered with the command-buffer-compatible trait (jax-ml/jax jaxlib/mosaic/gpu/custom_call.cc),
+and CUSTOM_CALL is a default type, so they can sit inside the graph (XLA looks the trait up by
+platform; openxla/xla#14889 was a platform-name mismatch there, since closed). WHILE has been its own
+command type, apart from CONDITIONAL, since openxla/xla#19528 (Nov 2024). Anything that is not a
+command (a host callback, a legacy custom call not listed in
+legacy_command_buffer_custom_call_targets) keeps the whole loop op-by-op; no GPU has checked ours
+yet: `benchmarks/gpu_check.py` counts the device-to-host copies of one generate call in a profile.
 
 Rules (`configure()`):
   * only when the backend will be a CUDA GPU (a jax CUDA plugin is installed and JAX_PLATFORMS, if
