@@ -90,3 +90,14 @@ def test_shard_cases_lower_for_sm90():
       continue
     assert "mosaic_gpu" in text, case.name
   assert refused == ["maverick/scout decode lm_head bfloat16 M=16 N=25256 K=5120"]
+
+
+def test_input_copies_exceed_twice_the_l2():
+  import jax.numpy as jnp
+  gpu_check = _load()
+  args = (jnp.ones((4,)), None, jnp.zeros((2,), jnp.int32))
+  copies = gpu_check._copies(args, case_bytes=10e6, l2_bytes=50e6)
+  assert len(copies) == 11 and len(copies) * 10e6 > 2 * 50e6  # ceil(100 / 10) + 1
+  assert copies[1][1] is None and copies[1][0] is not copies[0][0]
+  assert len(gpu_check._copies(args, case_bytes=1e3, l2_bytes=50e6)) == 32  # capped
+  assert len(gpu_check._copies(args, case_bytes=5e9, l2_bytes=50e6)) == 2  # at least 2
