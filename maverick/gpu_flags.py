@@ -4,8 +4,9 @@ Why. XLA:GPU runs a `while` as a WhileThunk by default: every iteration it launc
 computation, copies the predicate to the host (a device-to-host memcpy plus a stream sync) and
 decides on the host whether to launch the body again (openxla/xla#6973). A decode step of a large
 model is well under a millisecond, so that round trip and the lost launch-ahead are a large share of
-it. With command buffers of type WHILE, XLA records the loop as a CUDA graph with a conditional node
-(CUDA >= 12.3): condition and body run from the graph and the predicate never leaves the device.
+it. With command buffers of type WHILE, XLA records the loop as a CUDA graph with a conditional node:
+condition and body run from the graph and the predicate never leaves the device. XLA drops WHILE
+and CONDITIONAL when the CUDA runtime or driver is older than 12.3.
 
 What this jaxlib has (jax/jaxlib 0.12.0.1, read from its default DebugOptions): command buffers of
 types FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION, CONDITIONAL and
@@ -20,6 +21,13 @@ and body is a command too, so:
         default list instead of replacing it.
   --xla_gpu_graph_min_graph_size=1
         capture a region even when it is a lone `while` between other thunks.
+  --xla_gpu_enable_cub_radix_sort=false
+        XLA rewrites large sorts into CUB radix sorts (CubSortThunk), and that thunk kind has no
+        command type in XLA's command_buffer_conversion_pass.cc, so one sort anywhere in the loop
+        keeps the whole loop host-driven. Ours: the top-k/top-p filter sorts the vocabulary (inside
+        a `lax.cond`, but a branch that does not run still has to be convertible) and the MoE
+        routing argsorts. Without CUB, XLA emits its own sort kernels (plain kernel commands);
+        they are slower on long rows, which costs only sampled (top-k/top-p) decoding.
 
 Mosaic GPU kernels (our Pallas kernels) are `mosaic_gpu_v2` FFI custom calls whose handlers are
 registered with the command-buffer-compatible trait (jax-ml/jax jaxlib/mosaic/gpu/custom_call.cc),
@@ -54,6 +62,7 @@ ENV_SWITCH = "MAVERICK_GPU_LOOP_FLAGS"
 LOOP_FLAGS: tuple[tuple[str, str], ...] = (
     ("xla_gpu_enable_command_buffer", "+WHILE,+CONDITIONAL,+COLLECTIVES"),
     ("xla_gpu_graph_min_graph_size", "1"),
+    ("xla_gpu_enable_cub_radix_sort", "false"),
 )
 _CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin",
                  "jax_cuda12_plugin")

@@ -10,7 +10,8 @@ import pytest
 from maverick import gpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+COLLECTIVES --xla_gpu_graph_min_graph_size=1"
+OURS = ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+COLLECTIVES "
+        "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_cub_radix_sort=false")
 
 
 def test_merge_appends_to_empty_and_to_other_flags():
@@ -21,11 +22,12 @@ def test_merge_appends_to_empty_and_to_other_flags():
 def test_user_flag_wins():
   user = "--xla_gpu_enable_command_buffer= --xla_foo=1"  # the user turned command buffers off
   merged = gpu_flags.merge(user)
-  assert merged == f"{user} --xla_gpu_graph_min_graph_size=1"
+  assert merged == (f"{user} --xla_gpu_graph_min_graph_size=1 "
+                    "--xla_gpu_enable_cub_radix_sort=false")
   assert merged.count("xla_gpu_enable_command_buffer") == 1
   assert gpu_flags.merge("--xla_gpu_graph_min_graph_size=7") == (
       "--xla_gpu_graph_min_graph_size=7 --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,"
-      "+COLLECTIVES")
+      "+COLLECTIVES --xla_gpu_enable_cub_radix_sort=false")
 
 
 def test_merge_is_idempotent():
@@ -42,7 +44,8 @@ def test_configure_rules(monkeypatch):
   assert env["XLA_FLAGS"] == f"--xla_foo=1 {OURS}"
   assert gpu_flags.active_flags(env) == {"xla_gpu_enable_command_buffer":
                                          "+WHILE,+CONDITIONAL,+COLLECTIVES",
-                                         "xla_gpu_graph_min_graph_size": "1"}
+                                         "xla_gpu_graph_min_graph_size": "1",
+                                         "xla_gpu_enable_cub_radix_sort": "false"}
   for off in ("0", "off", "False"):
     env = {gpu_flags.ENV_SWITCH: off}
     assert gpu_flags.configure(env, force=True) == "disabled" and "XLA_FLAGS" not in env
@@ -96,3 +99,4 @@ def test_flags_parse_in_this_jaxlib():
   assert "xla_gpu_enable_command_buffer: COLLECTIVES\n" in out
   assert "xla_gpu_enable_command_buffer: FUSION" in out  # "+" kept XLA's defaults
   assert "xla_gpu_graph_min_graph_size: 1" in out
+  assert "xla_gpu_enable_cub_radix_sort: false" in out
