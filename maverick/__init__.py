@@ -11,10 +11,18 @@ The public surface is small:
 
 `maverick.generate` is both the generation module (`maverick.generate.prepare`, ...) and callable as
 the function `maverick.generate.generate`. Kernels live in `pallas_kernels`, speculative decoding in
-`spec_decode`. Importing `maverick` does not import jax (CLI --help stays instant).
+`spec_decode`. Importing `maverick` does not import jax (CLI --help stays instant); on a CUDA host it
+adds the XLA flags that keep the generate loops on the GPU (`maverick.gpu_flags`) unless jax's
+backend has already started.
 """
 
 __version__ = "0.1.0"
+
+# XLA reads XLA_FLAGS once, when the backend starts: set the on-device while-loop flags now (GPU
+# only, user's XLA_FLAGS entries win, MAVERICK_GPU_LOOP_FLAGS=0 turns it off; see gpu_flags.py).
+from maverick import gpu_flags as _gpu_flags  # noqa: E402  (stdlib only: no jax import)
+
+_gpu_flags.configure()
 __all__ = ["Config", "Loaded", "generate", "load"]
 
 

@@ -39,7 +39,11 @@ from absl import flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from maverick import cli  # noqa: E402  (after the sys.path line)
+from maverick import gpu_flags  # noqa: E402  (after the sys.path line)
+
+gpu_flags.configure()  # before anything starts a jax backend (XLA reads XLA_FLAGS once)
+
+from maverick import cli  # noqa: E402
 
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", "tiny", "Target model: 'tiny' (embedded), a converted or Hugging Face directory, "

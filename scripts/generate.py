@@ -19,7 +19,11 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maverick import cli  # noqa: E402  (after the sys.path line)
+from maverick import gpu_flags  # noqa: E402  (after the sys.path line)
+
+gpu_flags.configure()  # before anything starts a jax backend (XLA reads XLA_FLAGS once)
+
+from maverick import cli  # noqa: E402
 from maverick import mesh_flags  # noqa: E402  (defines --mesh, --layout, multi-host flags)
 
 DEFAULT_CHECKPOINT = "tiny"
