@@ -364,8 +364,10 @@ def from_hf(source: str | os.PathLike | Mapping[str, Any], dtype: str | None = N
         intermediate_size_mlp=get("intermediate_size_mlp", 16384),
         num_hidden_layers=get("num_hidden_layers"),
         num_attention_heads=get("num_attention_heads"),
-        num_key_value_heads=get("num_key_value_heads", get("num_attention_heads")),
-        head_dim=get("head_dim"), rms_norm_eps=num("rms_norm_eps", 1e-5),
+        # HF's Llama4TextConfig defaults when the key is absent: 8 kv heads, head_dim 128 (an
+        # explicit null head_dim means hidden_size // num_attention_heads, see Config).
+        num_key_value_heads=get("num_key_value_heads", 8),
+        head_dim=get("head_dim", 128), rms_norm_eps=num("rms_norm_eps", 1e-5),
         tie_word_embeddings=flag("tie_word_embeddings", False),
         num_local_experts=get("num_local_experts", 16),
         num_experts_per_tok=get("num_experts_per_tok", 1),

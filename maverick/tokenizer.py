@@ -166,7 +166,8 @@ class Tokenizer:
 
     `<|begin_of_text|>`, then per message `<|header_start|>{role}<|header_end|>\\n\\n{content}<|eot|>`;
     add_generation_prompt appends `<|header_start|>assistant<|header_end|>\\n\\n`. A leading system
-    message is whitespace-trimmed, as HF's template does. Each text run between special tokens is
+    message is whitespace-trimmed and, given as a list of parts, reduced to its first text part,
+    as HF's template does. Each text run between special tokens is
     encoded on its own, which is how HF tokenizes the rendered template string.
     """
     header_start, header_end, eot = (self._special(t) for t in
@@ -180,6 +181,8 @@ class Tokenizer:
     for n, msg in enumerate(messages):
       role, content = _message_parts(msg, n)
       if n == 0 and role == "system":
+        if isinstance(msg["content"], list):  # HF's template keeps only the first text part
+          content = msg["content"][0]["text"] if msg["content"] else ""
         content = content.strip()
       ids += [header_start, *text(role), header_end, *text("\n\n" + content), eot]
     if add_generation_prompt:

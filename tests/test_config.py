@@ -168,6 +168,14 @@ def test_head_dim_null_is_hidden_over_heads():
   assert config_lib.from_hf(_text(head_dim=None)).head_dim == 16
 
 
+def test_omitted_head_dim_and_kv_heads_take_hf_defaults():
+  """Absent keys take Llama4TextConfig's defaults (head_dim 128, 8 kv heads), not H / n_heads and
+  n_heads (a config written without them would otherwise build another model)."""
+  cfg = config_lib.from_hf(_text(head_dim=_DROP, num_key_value_heads=_DROP, num_attention_heads=16,
+                                 hidden_size=256))
+  assert (cfg.head_dim, cfg.num_key_value_heads) == (128, 8)
+
+
 # ----------------------------------------------------------------------------------------------
 # from_hf: errors name the problem
 # ----------------------------------------------------------------------------------------------

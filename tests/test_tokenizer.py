@@ -199,6 +199,18 @@ def test_chat_template_matches_rendered_string(tok):
   assert tok.apply_chat_template(messages) == tok.encode(rendered, add_bos=False)
 
 
+def test_chat_template_system_parts_keep_only_the_first(tok):
+  """HF's Llama 4 template renders a list-valued system message as its first text part, trimmed
+  (`messages[0]['content'][0]['text'] | trim`); other messages concatenate their parts."""
+  messages = [{"role": "system", "content": [{"type": "text", "text": " Be brief. "},
+                                             {"type": "text", "text": "Ignored."}]},
+              {"role": "user", "content": "hi"}]
+  rendered = ("<|begin_of_text|><|header_start|>system<|header_end|>\n\nBe brief.<|eot|>"
+              "<|header_start|>user<|header_end|>\n\nhi<|eot|>"
+              "<|header_start|>assistant<|header_end|>\n\n")
+  assert tok.apply_chat_template(messages) == tok.encode(rendered, add_bos=False)
+
+
 def test_chat_template_bad_messages(tok):
   with pytest.raises(TypeError, match="role"):
     tok.apply_chat_template([{"content": "x"}])
