@@ -59,5 +59,6 @@ def _release_compiled_programs():
   for name in ("maverick.generate", "spec_decode.speculative"):
     if name in sys.modules:
       sys.modules[name]._EXECUTABLES.clear()
-  sys.modules["jax"].clear_caches()
+  if "jax" in sys.modules:  # a module that never imported jax has nothing to drop
+    sys.modules["jax"].clear_caches()
   gc.collect()
