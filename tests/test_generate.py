@@ -58,7 +58,7 @@ def test_per_row_stop_tokens_and_max_tokens(fixture_model, hf_fixture):
   greedy = hf_fixture["greedy"].tolist()  # 129 193 129 456 129 324 ...
   prompt = hf_fixture["inputs"][0].tolist()
   out = gen.generate(fixture_model, [prompt] * 3, max_new_tokens=[20, 20, 4],
-                     stop_tokens=[[324], [456, 999], [324]])
+                     stop_tokens=[[324], [456, 7], [324]])
   assert out.tokens[0] == greedy[:6]  # stops after the first 324, which is kept
   assert out.tokens[1] == greedy[:4]
   assert out.tokens[2] == greedy[:4]  # max tokens before its stop token
