@@ -15,8 +15,15 @@ kernel does not take (weight-only FP8, a head_dim other than 64/128, ...) always
 XLA, so one model mixes both. Each helper returns None when the caller should run its XLA
 path; the callers keep their XLA code as the reference.
 
-Sharded models: a Mosaic GPU custom call cannot be partitioned by XLA, so kernels would need
-shard_map wrappers per layout; `sharding.shard_model` therefore pins sharded models to "xla".
+Sharded models: XLA cannot partition a Mosaic GPU custom call, so on a model carrying a sharding
+plan (`sharding.shard_model`) each helper runs the kernel on every device's own shards inside
+`jax.shard_map`, with specs from the plan's rules and the weights' logical axes, and decides
+support on those LOCAL shapes: column-parallel projections produce their local output columns,
+row-parallel ones (o, down) contract their local slice and end with one psum over the contracted
+mesh axes (the layer's one all-reduce, as GSPMD emits on the XLA path), attention runs on the
+local q / KV heads and rows. The sharded MoE is already a shard_map: it calls these helpers on
+local shapes with no plan. `placement` / `plan` arguments are duck-typed (`sharding.Plan`): this
+module does not import maverick.sharding (it imports the model).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import common
 from pallas_kernels import gemm as gemm_lib
@@ -41,7 +49,7 @@ KERNELS = (None, "xla", "pallas")
 
 
 def set_kernels(model, kernels: str | None) -> None:
-  """Selects the implementation for every layer of `model` (target or draft)."""
+  """Selects the implementation for every layer of `model` (target or draft), sharded or not."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS} (None = auto)")
   if kernels == "pallas":
@@ -52,11 +60,6 @@ def set_kernels(model, kernels: str | None) -> None:
           f"{device.platform!r} ({device.device_kind}). Use kernels=None / --kernels auto (kernels "
           f"where they run, XLA elsewhere) or 'xla', or run inside pallas_kernels.interpret() "
           f"(GPU interpret mode, slow, for tests).")
-    from maverick import sharding  # local: sharding imports the model
-    if sharding.plan_of(model) is not None:
-      raise common.KernelInputError(
-          "kernels='pallas' on a sharded model: the kernels are not wired through shard_map yet; "
-          "use kernels=None or 'xla' for sharded models")
   model.set_attributes(kernels=kernels, raise_if_not_found=False)
 
 
@@ -109,15 +112,82 @@ def _positive(rng: np.random.Generator, shape) -> jax.Array:
   return jnp.asarray(rng.uniform(0.5, 2.0, shape).astype(np.float32))
 
 
+# ----------------------------------------------------------------------------------------------
+# Sharded models: the kernel on each device's shards
+# ----------------------------------------------------------------------------------------------
+def _mesh_axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _local_struct(a, spec: P, mesh):
+  """The per-device ShapeDtypeStruct of `a` split by `spec` over `mesh` (None stays None)."""
+  if a is None:
+    return None
+  dims = list(a.shape)
+  for i, entry in enumerate(spec):
+    dims[i] //= math.prod(mesh.shape[m] for m in _mesh_axes(entry))
+  return jax.ShapeDtypeStruct(tuple(dims), a.dtype)
+
+
+def _rows(plan, batch: int, taken=()):
+  """The mesh axes rows split over (the plan's), or None when the operand already uses them."""
+  rows = plan.batch_axis(batch)
+  return None if set(_mesh_axes(rows)) & set(taken) else rows
+
+
+def _on_shards(plan, local_fn, args, in_specs, out_spec, reduce_axes=()):
+  """`local_fn(*args)` on every device's shards under shard_map, then a psum over `reduce_axes`
+  (a row-parallel product's partial sums). Returns None, emitting nothing, when `local_fn`
+  (a helper above, which returns None to mean "use XLA") declines the LOCAL shapes."""
+  is_spec = lambda s: isinstance(s, P)
+  local = jax.tree.map(lambda s, a: _local_struct(a, s, plan.mesh), tuple(in_specs), tuple(args),
+                       is_leaf=is_spec)
+  if jax.eval_shape(local_fn, *local) is None:
+    return None
+
+  def body(*shards):
+    y = local_fn(*shards)
+    return jax.lax.psum(y, reduce_axes) if reduce_axes else y
+
+  return jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(in_specs), out_specs=out_spec,
+                       check_vma=False)(*args)
+
+
+def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, plan, w_axes):
+  """`linear` per shard: w split as the plan places it (its logical axes), x's contracted axes
+  split like w's, x's rows over the plan's batch axes; a sharded contraction (row-parallel o,
+  down) ends with one psum. FP8 activations are then quantized per token over the LOCAL slice
+  (a finer scale than the XLA path's whole-row one, as in the sharded MoE)."""
+  from maverick.quant import ops as quant_ops
+  xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
+  w_spec = plan.spec(w_axes)
+  by_letter = dict(zip(ws, w_spec))
+  contracted = [c for c in xs if c in ws and c not in out]
+  taken = [m for e in w_spec for m in _mesh_axes(e)]
+  rows = _rows(plan, x.shape[0], taken) if xs[0] not in contracted else None
+  x_spec = P(*(by_letter[c] if c in contracted else rows if i == 0 else None
+               for i, c in enumerate(xs)))
+  by_letter_x = dict(zip(xs, x_spec))
+  out_spec = P(*(by_letter[c] if c in ws else by_letter_x[c] for c in out))
+  scale_spec = P(*(by_letter[c] for c in ws if c not in contracted))
+  reduce_axes = tuple(m for c in contracted for m in _mesh_axes(by_letter[c]))
+  local = lambda x_, w_, s_: linear(spec, x_, w_, s_, quant, kernels, out_dtype)
+  return _on_shards(plan, local, (x, w, scale), (x_spec, w_spec, scale_spec), out_spec,
+                    reduce_axes)
+
+
 def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | None,
-           out_dtype=None):
+           out_dtype=None, placement=None):
   """`maverick.quant.einsum` through the Pallas GEMM when the spec is x[batch..., C...] .
   w[C..., O...] (stored K-by-N) or w[O..., C...] (K-major) -> [batch..., O...], which covers every
   projection in the model: the operands then reshape for free into x [M, K] and w [K, N] / [N, K].
   FP8 weights (with `scale`) need the K-major layout; activations are quantized per token first
-  when `quant` says so, exactly as the XLA path does."""
+  when `quant` says so, exactly as the XLA path does. `placement` = (plan, w's logical axes as
+  stored) on a sharded model: the GEMM runs per shard (`_sharded_linear`)."""
   if kernels == "xla":
     return None
+  if placement is not None:
+    return _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, *placement)
   from maverick.quant import ops as quant_ops  # local: quant.ops calls into this module
   xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
   contracted = "".join(c for c in xs if c in ws and c not in out)
@@ -232,10 +302,22 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
 
 
-def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None):
-  """Causal (chunked) self-attention of a prompt at positions 0..T-1, or None."""
+def _head_specs(plan, batch: int):
+  """(q spec, kv spec) of [B, T|S, heads, Dh] attention operands: rows over the batch axes,
+  q / KV heads as the plan splits the projections (and the KV cache)."""
+  rows = _rows(plan, batch, _mesh_axes(plan.rules["q_heads"]) + _mesh_axes(plan.rules["kv_heads"]))
+  return (P(rows, None, plan.rules["q_heads"], None), P(rows, None, plan.rules["kv_heads"], None))
+
+
+def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None, plan=None):
+  """Causal (chunked) self-attention of a prompt at positions 0..T-1, or None. `plan`: a sharded
+  model's; the kernel runs on each device's rows and heads."""
   if kernels == "xla":
     return None
+  if plan is not None:
+    q_spec, kv_spec = _head_specs(plan, q.shape[0])
+    local = lambda q_, k_, v_: prefill_attention(q_, k_, v_, chunk_size, kernels)
+    return _on_shards(plan, local, (q, k, v), (q_spec, kv_spec, kv_spec), q_spec)
   from pallas_kernels import prefill_attention as prefill
   ok = q.dtype == k.dtype == v.dtype == jnp.bfloat16 and q.shape[3] in prefill.api.SUPPORTED_HEAD_DIMS
 
@@ -254,10 +336,28 @@ def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None):
 
 
 def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tree,
-                    kv_scales: dict, kernels: str | None):
-  """Decode / verify / tree-verify attention of T new queries over the KV cache, or None."""
+                    kv_scales: dict, kernels: str | None, plan=None):
+  """Decode / verify / tree-verify attention of T new queries over the KV cache, or None.
+  `plan`: a sharded model's; the kernel runs on each device's rows and heads of q and the cache
+  (sharded by KV heads, `sharding.constrain_cache`)."""
   if kernels == "xla":
     return None
+  if plan is not None:
+    q_spec, kv_spec = _head_specs(plan, q.shape[0])
+    rows = q_spec[0]
+    tree_leaves, treedef = jax.tree.flatten(tree)
+    names = sorted(kv_scales)
+
+    def local(q_, kc, vc, pos, scales, leaves):
+      tree_ = None if tree is None else jax.tree.unflatten(treedef, leaves)
+      return cache_attention(q_, kc, vc, pos, chunk_size, tree_, dict(zip(names, scales)),
+                             kernels)
+
+    args = (q, k_cache, v_cache, q_positions, [kv_scales[n] for n in names], tree_leaves)
+    # KV scales [B, S, K] split like the cache; tree leaves ([B], [B, R], [B, T, R]) by rows.
+    specs = (q_spec, kv_spec, kv_spec, P(rows, None), [P(rows, None, kv_spec[2])] * len(names),
+             [P(rows, *([None] * (a.ndim - 1))) for a in tree_leaves])
+    return _on_shards(plan, local, args, specs, q_spec)
   from pallas_kernels import decode_attention as decode
   ok = (q.dtype == jnp.bfloat16 and q.shape[3] in (64, 128)
         and k_cache.shape[1] % decode.api.BLOCK_KV == 0

@@ -73,6 +73,13 @@ def _value(p):
   return None if p is None else p[...]
 
 
+def _placement(module, param):
+  """(plan, the weight's logical axes as stored) on a sharded model, else None: a kernel call
+  then runs on each device's shard of the weight (maverick.kernels)."""
+  plan = sharding.plan_of(module)
+  return None if plan is None else (plan, param.get_metadata()["logical_axes"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Plain functions
 # ----------------------------------------------------------------------------------------------
@@ -203,12 +210,15 @@ def chunked_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int)
 
 
 def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array,
-           scales=(None, None, None), quant=None, kernels: str | None = "xla") -> jax.Array:
-  """scales: per-output-channel scales of FP8 gate/up/down (None for an unquantized weight)."""
+           scales=(None, None, None), quant=None, kernels: str | None = "xla",
+           placements=(None, None, None)) -> jax.Array:
+  """scales: per-output-channel scales of FP8 gate/up/down (None for an unquantized weight);
+  placements: the weights' kernel placements on a sharded model (see `_placement`)."""
   mm = functools.partial(quant_lib.einsum, kernels=kernels)
-  g = mm("...d,df->...f", x, gate_df, scales[0], quant)
-  u = mm("...d,df->...f", x, up_df, scales[1], quant)
-  return mm("...f,fd->...d", jax.nn.silu(g) * u, down_fd, scales[2], quant)
+  g = mm("...d,df->...f", x, gate_df, scales[0], quant, placement=placements[0])
+  u = mm("...d,df->...f", x, up_df, scales[1], quant, placement=placements[1])
+  return mm("...f,fd->...d", jax.nn.silu(g) * u, down_fd, scales[2], quant,
+            placement=placements[2])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,7 +286,8 @@ class Attention(nnx.Module):
         if len(new_cache) == 4:
           kv_scales = dict(k_scale=new_cache[2], v_scale=new_cache[3])
         out = kernels_lib.cache_attention(q, new_cache[0], new_cache[1], positions_bt,
-                                          self.chunk_size, tree, kv_scales, self.kernels)
+                                          self.chunk_size, tree, kv_scales, self.kernels,
+                                          sharding.plan_of(self))
         if out is None:
           mask = cache_mask(positions_bt, new_cache[0].shape[1], self.chunk_size, tree)
           out = attention(q, new_cache[0], new_cache[1], mask, **kv_scales)
@@ -285,7 +296,8 @@ class Attention(nnx.Module):
       raise ValueError("a tree mask needs a KV cache to attend to")
     T = x_btd.shape[1]
     if positions_from_zero:
-      out = kernels_lib.prefill_attention(q, k, v, self.chunk_size, self.kernels)
+      out = kernels_lib.prefill_attention(q, k, v, self.chunk_size, self.kernels,
+                                          sharding.plan_of(self))
       if out is not None:
         return self.output(out), new_cache
     if positions_from_zero and self.chunk_size is not None and T > self.chunk_size:
@@ -296,11 +308,9 @@ class Attention(nnx.Module):
 
   def project(self, x_btd, positions_bt):
     """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""
-    mm = functools.partial(quant_lib.einsum, "btd,dhk->bthk", x_btd, quant=self.quant,
-                           kernels=self.kernels)
-    q = mm(self.q[...], _value(self.q_scale))
-    k = mm(self.k[...], _value(self.k_scale))
-    v = mm(self.v[...], _value(self.v_scale))
+    mm = lambda w, s: quant_lib.einsum("btd,dhk->bthk", x_btd, w[...], _value(s), self.quant,
+                                       kernels=self.kernels, placement=_placement(self, w))
+    q, k, v = mm(self.q, self.q_scale), mm(self.k, self.k_scale), mm(self.v, self.v_scale)
     if self.use_rope:
       inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
       q = apply_rope(q, positions_bt, inv_freq)
@@ -315,7 +325,7 @@ class Attention(nnx.Module):
 
   def output(self, out_bthk):
     return quant_lib.einsum("bthk,hkd->btd", out_bthk, self.o[...], _value(self.o_scale),
-                            self.quant, kernels=self.kernels)
+                            self.quant, kernels=self.kernels, placement=_placement(self, self.o))
 
 
 class MLP(nnx.Module):
@@ -333,8 +343,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
+    placements = tuple(_placement(self, w) for w in (self.gate, self.up, self.down))
     return swiglu(x, self.gate[...], self.up[...], self.down[...], scales, self.quant,
-                  self.kernels)
+                  self.kernels, placements)
 
 
 class MoE(nnx.Module):
@@ -371,7 +382,8 @@ class MoE(nnx.Module):
       y = sharding.sharded_moe(plan, x, self.router[...], self.gate[...], self.up[...],
                                self.down[...], shared, top_k=self.top_k, impl=self.impl,
                                router_scale=_value(self.router_scale), scales=scales,
-                               shared_scales=shared_scales, quant=self.quant)
+                               shared_scales=shared_scales, quant=self.quant,
+                               kernels=self.kernels)
       return y.reshape(B, T, D)
     top_idx, scores, logits = moe.route(x, self.router[...], self.top_k,
                                         router_scale=_value(self.router_scale), quant=self.quant)
@@ -477,9 +489,9 @@ class Llama4(nnx.Module):
     q = self.config.quant
     if self.config.tie_word_embeddings:
       return quant_lib.einsum("...d,vd->...v", x, self.embed[...], _value(self.embed_scale), q,
-                              kernels=self.kernels)
+                              kernels=self.kernels, placement=_placement(self, self.embed))
     return quant_lib.einsum("...d,dv->...v", x, self.lm_head[...], _value(self.lm_head_scale), q,
-                            kernels=self.kernels)
+                            kernels=self.kernels, placement=_placement(self, self.lm_head))
 
   def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,

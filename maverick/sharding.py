@@ -16,7 +16,9 @@ sharded: each device routes its tokens, runs its local experts (an assignment to
 expert gets score 0, so it contributes exactly nothing) and the shared expert's slice, then ONE psum
 over tensor (tp), or an all-gather of the rows before routing and a reduce-scatter after (ep), ends
 the layer. Attention and the dense MLP are left to GSPMD, which emits one all-reduce after each
-output projection.
+output projection. Where a Pallas kernel runs (maverick.kernels), the call sits in its own
+shard_map on the local shards instead (row-parallel projections end with the psum GSPMD would
+emit), so the collectives per layer stay the same.
 
 A sharded model carries its `Plan` (mesh + layout) as a static attribute, so `generate` and the
 speculative loop place requests and caches from it without new arguments.
@@ -207,15 +209,14 @@ def shard_model(model, mesh: Mesh, layout: str = "tp"):
 
 
 def attach_plan(model, plan: Plan | None):
-  """Marks the model and its MoE layers with the plan (a static attribute, part of the graphdef)."""
+  """Marks the model and its layers (every module with a `kernels` switch, and the MoE) with the
+  plan: a static attribute, part of the graphdef. The MoE shards itself from it and the kernel
+  calls run per shard under shard_map from it (maverick.kernels); `kernels` is left as set."""
   from maverick.model import MoE  # model imports this module
   setattr(model, PLAN_ATTR, plan)
   for _, m in nnx.iter_graph(model):
-    if isinstance(m, MoE):
+    if isinstance(m, MoE) or hasattr(m, "kernels"):
       setattr(m, PLAN_ATTR, plan)
-    if plan is not None and hasattr(m, "kernels"):
-      # XLA cannot partition a Pallas custom call: sharded models use XLA (maverick.kernels).
-      m.kernels = "xla"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,12 +259,14 @@ def to_host(x) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared, *, top_k: int,
                 impl: str, router_scale=None, scales=(None, None, None),
-                shared_scales=(None, None, None), quant=None):
+                shared_scales=(None, None, None), quant=None, kernels: str | None = "xla"):
   """Llama 4 MoE (routed + shared expert) inside shard_map with one psum at the end.
 
   shared: (gate [D,F], up [D,F], down [F,D]) of the shared expert. FP8 weights come with their
   per-output-channel scales (router [E], experts (gate [E,F], up [E,F], down [E,D]), shared (gate
-  [F], up [F], down [D])), sharded like the output axis of their weight; None = unquantized."""
+  [F], up [F], down [D])), sharded like the output axis of their weight; None = unquantized.
+  `kernels` (maverick.kernels): the grouped GEMM and shared-expert GEMM kernels run here, in the
+  shard_map, on the local experts / expert widths."""
   from maverick import moe  # avoid a cycle at import time
   from maverick.model import swiglu
   rows = plan.batch_axis(x_nd.shape[0])
@@ -290,12 +293,12 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
       top_idx = jnp.where(mine, idx, 0 if gathered else e_local)
       scores = jnp.where(mine, scores, jnp.zeros_like(scores))
     y = moe.moe_experts(x, top_idx, scores, gate, up, down, impl=impl, scales=e_scales,
-                        quant=quant)
+                        quant=quant, kernels=kernels)
     if dp_experts:  # own rows, summed over expert shards; the shared expert on own rows only
       y = jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True)
-      s = swiglu(x_own, sg, su, sd, s_scales, quant)
+      s = swiglu(x_own, sg, su, sd, s_scales, quant, kernels)
     else:
-      s = swiglu(x, sg, su, sd, s_scales, quant)
+      s = swiglu(x, sg, su, sd, s_scales, quant, kernels)
       if ex is not None:  # every expert shard has the shared expert's slice: count it once
         s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
     return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s

@@ -138,8 +138,8 @@ def _align(a: jax.Array, subs: str, out: str) -> jax.Array:
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None,
-           quant: QuantConfig | None = None, out_dtype=None, kernels: str | None = "xla"
-           ) -> jax.Array:
+           quant: QuantConfig | None = None, out_dtype=None, kernels: str | None = "xla",
+           placement=None) -> jax.Array:
   """`jnp.einsum(spec, x, w)`, with `w` in FP8 when `scale` is given.
 
   Without a scale this IS jnp.einsum (the unquantized model is bit-identical). With one, w is FP8
@@ -149,13 +149,14 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
   quantized per token over its contracted axes (FP8 x FP8) or kept (weight-only, w upcast to x's
   dtype). The product
   accumulates in f32; scales are applied to the accumulator; the result has x's dtype.
-  `kernels` (see maverick.kernels): None/"pallas" run the Pallas GEMM where it takes the call.
+  `kernels` (see maverick.kernels): None/"pallas" run the Pallas GEMM where it takes the call;
+  `placement` = (sharding plan, w's logical axes) on a sharded model: the GEMM runs per shard.
   """
   if scale is not None:
     spec = kmajor_spec(spec, x.ndim)
   if kernels != "xla":
     from maverick import kernels as kernels_lib  # local: it imports this module
-    y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype)
+    y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype, placement)
     if y is not None:
       return y
   if scale is None:
