@@ -76,7 +76,8 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   k, n = math.prod(x.shape[-n_c:]), math.prod(w_out)
   quantize_x = scale is not None and quant is not None and quant.quantize_activations
   x_dtype = quant_ops.FP8 if quantize_x else x.dtype
-  ok, _ = gemm_lib.pallas_support(x_dtype, w.dtype, n, k, layout)
+  ok, _ = gemm_lib.pallas_support(x_dtype, w.dtype, n, k, layout, m=math.prod(x.shape[:-n_c]),
+                                  out_dtype=out_dtype or x.dtype)
   if not use_pallas(kernels, ok):
     return None
   batch = x.shape[:-n_c]
