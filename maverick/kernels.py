@@ -153,7 +153,7 @@ def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None):
   if kernels == "xla":
     return None
   from pallas_kernels import prefill_attention as prefill
-  ok = q.dtype == k.dtype == v.dtype == jnp.bfloat16 and q.shape[3] in prefill.api.SUPPORTED_HEAD_DIMS
+  ok = prefill.pallas_support(q, k, v)[0]
   if not use_pallas(kernels, ok):
     return None
   return prefill.prefill_attention(q, k, v, chunk_size=chunk_size, implementation="pallas")

@@ -17,7 +17,9 @@ Limits (per CTA, one CTA per SM):
 How Mosaic GPU counts SMEM (checked against its lowering errors in tests/test_kernel_planner.py):
 every scratch buffer starts at a 1024-byte boundary (Pallas' SMEM_ALIGNMENT, which the 128-byte
 swizzle needs), so each buffer costs its bytes rounded up to 1 KiB; each mbarrier costs 8 bytes;
-a kernel that allocates TMEM keeps the allocated address in 4 bytes of SMEM.
+a kernel that allocates TMEM keeps the allocated address in 4 bytes of SMEM; a kernel with a
+row reduction (jnp max/sum over a register array) gets Pallas' cross-warp reduction scratch
+(CompilerParams.reduction_scratch_bytes, 2 KiB by default) once.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ MAX_TMEM_COLUMNS = {"sm90": 0, "sm100": 512}
 SMEM_ALIGNMENT = 1024
 BARRIER_BYTES = 8
 TMEM_ADDRESS_BYTES = 4
+REDUCTION_SCRATCH_BYTES = 128 * 4 * 4  # jax: pallas/mosaic_gpu/core.py CompilerParams default
 
 
 def align(x: int, to: int) -> int:
@@ -56,6 +59,11 @@ class Usage:
   def barrier(self, count: int = 1) -> "Usage":
     self.barriers += count
     self.smem_bytes += count * BARRIER_BYTES
+    return self
+
+  def reduction_scratch(self) -> "Usage":
+    self.smem_bytes += align(REDUCTION_SCRATCH_BYTES, SMEM_ALIGNMENT)
+    self.items.append(("reduction scratch", REDUCTION_SCRATCH_BYTES))
     return self
 
   def tmem(self, columns: int) -> "Usage":

@@ -28,7 +28,7 @@ MIN_STAGES = 2  # delay_release=1 needs one more slot than the MMA in flight
 
 def schedule_shape(num_rows: int, num_groups: int, tile_m: int) -> tuple[int, int]:
   """The packed schedule's SMEM shape (schedule.pack of [4, padded_tiles])."""
-  flat = 4 * sched_lib.padded_tiles(num_rows, num_groups, tile_m)
+  flat = max(4 * sched_lib.padded_tiles(num_rows, num_groups, tile_m), 4)  # A = 0: no kernel
   width = min(sched_lib.PACK_WIDTH, flat)
   return -(-flat // width), width
 
