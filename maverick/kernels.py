@@ -165,8 +165,8 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
   if kernels == "xla":
     return None
   from pallas_kernels import decode_attention as decode
-  ok = (q.dtype == jnp.bfloat16 and q.shape[3] in (64, 128) and k_cache.shape[1] % 64 == 0
-        and (tree is None or tree.positions.shape[1] <= 128) and q.shape[1] <= 64)
+  ok = (decode.pallas_support(q, k_cache, None if tree is None else tree.positions.shape[1])[0]
+        and q.shape[1] <= 64)
   if not use_pallas(kernels, ok):
     return None
   tree_args = {}
