@@ -93,3 +93,20 @@ def test_every_distinct_lowering(op, arch):
   failures = _lower_all(reps.values())
   assert not failures, (f"{len(failures)} of {len(reps)} {op} lowerings fail on {arch}:\n"
                         + "\n".join(failures))
+
+
+def test_kernel_support_script():
+  """scripts/kernel_support.py on one model/arch/TP and two token counts, lowering each config."""
+  import pathlib
+  import subprocess
+  import sys
+
+  from param_utils import single_device_env
+  script = pathlib.Path(__file__).parent.parent / "scripts" / "kernel_support.py"
+  p = subprocess.run(
+      [sys.executable, str(script), "--models", "scout", "--archs", "sm90", "--tps", "8",
+       "--tokens", "1,200", "--precisions", "fp8", "--lower"],
+      env=single_device_env(), capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+  assert "unsupported" in p.stdout and "lm_head" in p.stdout and "multiple of 16" in p.stdout
+  assert "lowers" in p.stdout and "FAILS" not in p.stdout
