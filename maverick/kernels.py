@@ -121,9 +121,10 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
     ok = gate_edf.dtype == up_edf.dtype == down_efd.dtype == x_nd.dtype
   ok = (ok and grouped_gemm.pallas_support(rows, gate_edf, x_scale=row_scale,
                                            w_scale=scales and scales[0], w_layout=layout,
-                                           swiglu=True)[0]
+                                           swiglu=True, out_dtype=x_nd.dtype)[0]
         and grouped_gemm.pallas_support(hidden, down_efd, x_scale=row_scale,
-                                        w_scale=scales and scales[2], w_layout=layout)[0])
+                                        w_scale=scales and scales[2], w_layout=layout,
+                                        out_dtype=x_nd.dtype)[0])
   if not use_pallas(kernels, ok):
     return None
   flat_expert = top_idx.reshape(-1)

@@ -4,7 +4,6 @@ accumulation, the scales applied to the accumulator in the epilogue. bf16 x bf16
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax

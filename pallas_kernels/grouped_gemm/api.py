@@ -15,8 +15,8 @@ one kernel (two accumulators per x tile; neither [A, F] product is written to HB
 
 Pallas kernels (sm_90: wgmma; sm_100: tcgen05 + TMEM; one shared persistent kernel, kernel.py):
 bf16 x bf16 without scales, or e4m3 x e4m3 with both scales; K a multiple of 128 bytes of the
-dtype (64 bf16 / 128 e4m3), N a multiple of 64, A up to ~120k rows (the tile schedule lives in
-SMEM). Anything else the reference takes (e.g. bf16 x with e4m3 w: weight-only quantization)
+dtype (64 bf16 / 128 e4m3), N a multiple of 64, A while the tile schedule (kept in SMEM) fits
+next to the pipeline: ~500k rows at E=128 (plan.py decides). Anything else the reference takes (e.g. bf16 x with e4m3 w: weight-only quantization)
 runs on XLA under implementation=None; implementation="pallas" raises KernelInputError naming
 why. Output is exact-product f32 accumulation: only the summation order differs from XLA.
 """
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.grouped_gemm import kernel, reference, sm90, sm100
+from pallas_kernels.grouped_gemm import reference, sm90, sm100
 from pallas_kernels.grouped_gemm import plan as plan_lib
 
 FP8 = jnp.float8_e4m3fn
