@@ -88,7 +88,7 @@ def usage(cfg: sm90.Config, arch: str, in_dtype, out_dtype) -> resources.Usage:
   return u
 
 
-def _candidates(tiles, m: int):
+def _candidates(tiles):
   """(tile_m, stages) in preference order (see the module doc)."""
   tile_m = tiles[0]
   deep = 4 if tile_m == 64 else 3
@@ -128,7 +128,7 @@ def plan(m: int, n: int, k: int, x_dtype, w_dtype, *, w_layout: str = "nk",
   num_sms = num_sms or resources.plan_num_sms(arch)
   _, tile_n, tile_k, split = tiles
   candidates = []
-  for tile_m, stages in _candidates(tiles, m):
+  for tile_m, stages in _candidates(tiles):
     cfg = sm90.Config(tile_m, tile_n, tile_k, stages, split, w_kn=kn)
     candidates.append(dataclasses.replace(cfg, k_splits=_splits(cfg, m, n, k, num_sms)))
   fewer = []
