@@ -203,7 +203,8 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   k, n = math.prod(x.shape[-n_c:]), math.prod(w_out)
   quantize_x = scale is not None and quant is not None and quant.quantize_activations
   x_dtype = quant_ops.FP8 if quantize_x else x.dtype
-  ok, _ = gemm_lib.pallas_support(x_dtype, w.dtype, n, k, layout)
+  ok, _ = gemm_lib.pallas_support(x_dtype, w.dtype, n, k, layout, m=math.prod(x.shape[:-n_c]),
+                                  out_dtype=out_dtype or x.dtype)
   batch = x.shape[:-n_c]
   x2 = x.reshape(-1, k)
   w2 = w.reshape((k, n) if layout == "kn" else (n, k))
@@ -258,9 +259,11 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   else:
     ok = gate_edf.dtype == up_edf.dtype == down_efd.dtype == x_nd.dtype
   ok = (ok and grouped_gemm.pallas_support(rows, gate_edf, x_scale=row_scale,
-                                           w_scale=scales and scales[0], w_layout=layout)[0]
+                                           w_scale=scales and scales[0], w_layout=layout,
+                                           swiglu=True, out_dtype=x_nd.dtype)[0]
         and grouped_gemm.pallas_support(hidden, down_efd, x_scale=row_scale,
-                                        w_scale=scales and scales[2], w_layout=layout)[0])
+                                        w_scale=scales and scales[2], w_layout=layout,
+                                        out_dtype=x_nd.dtype)[0])
   s_gate, s_up, s_down = scales if fp8 else (None, None, None)
 
   def rows_in(a):  # (kernel input, its per-row scale)
@@ -319,7 +322,7 @@ def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None, plan
     local = lambda q_, k_, v_: prefill_attention(q_, k_, v_, chunk_size, kernels)
     return _on_shards(plan, local, (q, k, v), (q_spec, kv_spec, kv_spec), q_spec)
   from pallas_kernels import prefill_attention as prefill
-  ok = q.dtype == k.dtype == v.dtype == jnp.bfloat16 and q.shape[3] in prefill.api.SUPPORTED_HEAD_DIMS
+  ok = prefill.pallas_support(q, k, v)[0]
 
   def run(implementation, q, k, v):
     return prefill.prefill_attention(q, k, v, chunk_size=chunk_size,
@@ -359,9 +362,8 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
              [P(rows, *([None] * (a.ndim - 1))) for a in tree_leaves])
     return _on_shards(plan, local, args, specs, q_spec)
   from pallas_kernels import decode_attention as decode
-  ok = (q.dtype == jnp.bfloat16 and q.shape[3] in (64, 128)
-        and k_cache.shape[1] % decode.api.BLOCK_KV == 0
-        and (tree is None or tree.positions.shape[1] <= 128) and q.shape[1] <= 64)
+  ok = (decode.pallas_support(q, k_cache, None if tree is None else tree.positions.shape[1])[0]
+        and q.shape[1] <= 64)
   names = ["k_scale", "v_scale"] if kv_scales else []
   extras = [kv_scales[n] for n in names]
   if tree is not None:

@@ -16,17 +16,18 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels.decode_attention import plan as plan_lib
 from pallas_kernels.decode_attention import reference
 
-SUPPORTED_HEAD_DIMS = (64, 128)
-BLOCK_KV = 64
+SUPPORTED_HEAD_DIMS = plan_lib.SUPPORTED_HEAD_DIMS
+BLOCK_KV = plan_lib.BLOCK_KV
 # Consumer warpgroups per CTA (plus one TMA producer). The CPU interpreter runs each warpgroup as
 # a thread that blocks inside XLA callbacks; with 3 of them on a 2-core host XLA's CPU pool can
 # starve and deadlock (seen ~1 run in 7), so interpret mode runs 1 consumer: the same code path
 # with every KV step on warpgroup 0. GPU lowering is checked with 2.
-COMPUTE_WGS = 2
-INTERPRET_COMPUTE_WGS = 1
-MAX_TREE = 128  # tree visibility travels as 4 int32 bit words per query row
+COMPUTE_WGS = plan_lib.COMPUTE_WGS
+INTERPRET_COMPUTE_WGS = plan_lib.INTERPRET_COMPUTE_WGS
+MAX_TREE = plan_lib.MAX_TREE
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
@@ -102,7 +103,7 @@ def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
 
 
 # One jit over the packing, the kernel and the combine (eager jnp ops would each compile).
-# mode = (interpreting, arch, consumer warpgroups) is static: interpreted and GPU executables never
+# mode = (interpreting, arch, consumer warpgroups, K/V stages) is static: interpreted and GPU executables never
 # share a cache entry.
 @functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
 def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
@@ -171,7 +172,7 @@ def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree
   out, lse = kernel.split_attention(
       q_packed, k_cache, v_cache, ks, vs, pos_rows, cs_rows, tree_bits, bounds.astype(jnp.int32),
       num_kv_heads=K, num_splits=num_splits, block_kv=BLOCK_KV, sm_scale=sm_scale,
-      compute_wgs=mode[2])
+      compute_wgs=mode[2], stages=mode[3])
   out = combine(out.astype(jnp.float32), lse)  # [B*K, Mpad, Dh] f32
   out = out[:, :M].reshape(B, K, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
   return out.astype(q.dtype)
@@ -200,23 +201,31 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
   sm100.py (Blackwell, tcgen05/TMEM), picked by `common.target_arch()`."""
   _validate(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
             tree_positions, tree_visible, num_splits)
-  Dh = q.shape[3]
-  S = k_cache.shape[1]
+  B, T, H, Dh = q.shape
   sm_scale = float(Dh ** -0.5 if sm_scale is None else sm_scale)
-  why = []
-  if Dh not in SUPPORTED_HEAD_DIMS:
-    why.append(f"head_dim {Dh} (supported: {SUPPORTED_HEAD_DIMS})")
-  if S % BLOCK_KV:
-    why.append(f"cache length {S} is not a multiple of {BLOCK_KV}")
-  if tree_positions is not None and tree_positions.shape[1] > MAX_TREE:
-    why.append(f"tree of {tree_positions.shape[1]} slots (at most {MAX_TREE})")
-  impl = common.resolve(implementation, supported=not why, why="; ".join(why))
+  interpreting = common.interpreting()
+  plan = plan_lib.plan(
+      T, H, k_cache.shape[2], Dh, k_cache.shape[1], k_cache.dtype, q.dtype,
+      tree_size=None if tree_positions is None else tree_positions.shape[1],
+      arch=common.runnable_arch(), interpreting=interpreting,
+      compute_wgs=INTERPRET_COMPUTE_WGS if interpreting else COMPUTE_WGS)
+  impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla":
     return reference.decode_attention(
         q, k_cache, v_cache, q_positions, chunk_size=chunk_size, k_scale=k_scale,
         v_scale=v_scale, tree_start=tree_start, tree_positions=tree_positions,
         tree_visible=tree_visible, sm_scale=sm_scale)
-  interpreting = common.interpreting()
-  mode = (interpreting, common.target_arch(), INTERPRET_COMPUTE_WGS if interpreting else COMPUTE_WGS)
+  mode = (interpreting, common.target_arch(), plan.config.compute_wgs, plan.config.stages)
   return _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
                  tree_positions, tree_visible, num_splits, sm_scale, mode)
+
+
+def pallas_support(q, k_cache, tree_size: int | None = None, *, arch: str | None = None
+                   ) -> tuple[bool, str]:
+  """(supported, why not) for the Pallas kernel on q [B,T,H,Dh] over k_cache [B,S,K,Dh] (arrays or
+  ShapeDtypeStructs) with a tree block of `tree_size` slots (None: no tree): the planner's answer,
+  so a supported call lowers. `arch`: default the one a kernel would run on."""
+  B, T, H, Dh = q.shape
+  p = plan_lib.plan(T, H, k_cache.shape[2], Dh, k_cache.shape[1], k_cache.dtype, q.dtype,
+                    tree_size=tree_size, arch=arch)
+  return p.supported, p.why

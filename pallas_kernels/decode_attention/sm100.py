@@ -74,7 +74,7 @@ def smem_plan(Dh: int, block_kv: int, kv_itemsize: int, compute_wgs: int) -> int
 
 def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_start, tree_bits,
                     bounds, *, num_kv_heads: int, num_splits: int, block_kv: int,
-                    sm_scale: float, compute_wgs: int):
+                    sm_scale: float, compute_wgs: int, stages: int | None = None):
   """The contract of sm90.split_attention with Mpad a multiple of BLOCK_M = 128:
   q_packed [B*K, Mpad, Dh] bf16; k/v_cache [B, S, K, Dh]; k/v_scale [B, K, S] f32 or None;
   q_pos / chunk_start [B, Mpad] int32; tree_bits [B, W, Mpad] int32 or None;
@@ -91,7 +91,8 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
   kv_dtype = k_cache.dtype
   score_scale = sm_scale * LOG2E
   C = compute_wgs
-  stages = smem_plan(Dh, block_kv, jnp.dtype(kv_dtype).itemsize, C)
+  if stages is None:  # the planner's (decode_attention.plan) when called through the api
+    stages = smem_plan(Dh, block_kv, jnp.dtype(kv_dtype).itemsize, C)
 
   q_tr = _transforms(Dh, q_packed.dtype)
   kv_tr = _transforms(Dh, kv_dtype)

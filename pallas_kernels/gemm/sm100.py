@@ -27,6 +27,11 @@ PRODUCER_WARP, MMA_WARP = 0, 1
 MMA_WG, EPILOGUE_WG = 0, 1
 
 
+def epilogue_n(tile_n: int) -> int:
+  """Columns per epilogue piece (TMEM -> registers -> SMEM -> TMA)."""
+  return min(64, tile_n)
+
+
 def config_for(cfg: Config) -> Config:
   """sm100 tiles from the shared Config: 128-row tiles, no warpgroup split of the tile."""
   # A (K, N) weight tile's swizzle (along N) must match the x tile's (along K): keep sm90's pair.
@@ -127,7 +132,7 @@ def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
   else:
     out_shape = (m_pad, n)
   tn, tk = cfg.tile_n, cfg.tile_k
-  epi_n = min(64, tn)
+  epi_n = epilogue_n(tn)
   in_tf = _transforms(tk, x.dtype)
   scratch = dict(
       x_smem=plgpu.SMEM((cfg.stages, TILE_M, tk), x.dtype, transforms=in_tf),

@@ -15,8 +15,8 @@ one kernel (two accumulators per x tile; neither [A, F] product is written to HB
 
 Pallas kernels (sm_90: wgmma; sm_100: tcgen05 + TMEM; one shared persistent kernel, kernel.py):
 bf16 x bf16 without scales, or e4m3 x e4m3 with both scales; K a multiple of 128 bytes of the
-dtype (64 bf16 / 128 e4m3), N a multiple of 64, A up to ~120k rows (the tile schedule lives in
-SMEM). Anything else the reference takes (e.g. bf16 x with e4m3 w: weight-only quantization)
+dtype (64 bf16 / 128 e4m3), N a multiple of 64, A while the tile schedule (kept in SMEM) fits
+next to the pipeline: ~500k rows at E=128 (plan.py decides). Anything else the reference takes (e.g. bf16 x with e4m3 w: weight-only quantization)
 runs on XLA under implementation=None; implementation="pallas" raises KernelInputError naming
 why. Output is exact-product f32 accumulation: only the summation order differs from XLA.
 """
@@ -27,14 +27,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.grouped_gemm import kernel, reference, sm90, sm100
-from pallas_kernels.grouped_gemm import schedule as sched_lib
+from pallas_kernels.grouped_gemm import reference, sm90, sm100
+from pallas_kernels.grouped_gemm import plan as plan_lib
 
 FP8 = jnp.float8_e4m3fn
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                  jnp.dtype(FP8))
-# The kernel keeps the whole tile schedule (16 bytes a tile) in SMEM: ~120k rows at most.
-_MAX_SCHEDULE_BYTES = 32 * 1024
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
@@ -71,26 +69,12 @@ def _validate(x, w, group_sizes, x_scale, w_scale, out_dtype):
         f"out_dtype: {out_dtype} not supported; use bfloat16 or float32")
 
 
-def _kernel_support(x, w, x_scale, w_scale) -> tuple[bool, str]:
-  """Whether the Pallas kernel takes these inputs, and why not."""
-  k, n = x.shape[1], w.shape[1]
-  plain = x.dtype == w.dtype == jnp.bfloat16 and x_scale is None and w_scale is None
-  fp8 = x.dtype == w.dtype == FP8 and x_scale is not None and w_scale is not None
-  if not (plain or fp8):
-    return False, (f"x {x.dtype}, w {w.dtype}, x_scale {'set' if x_scale is not None else None},"
-                   f" w_scale {'set' if w_scale is not None else None}: the kernel takes bf16 x "
-                   f"bf16 without scales, or float8_e4m3fn x float8_e4m3fn with both scales")
-  if k % kernel.k_alignment(x.dtype):
-    return False, (f"K={k} (x {x.shape}) must be a multiple of {kernel.k_alignment(x.dtype)} "
-                   f"for {x.dtype} (128-byte TMA/swizzle rows); pad K with zeros in x and w")
-  if n % kernel.n_alignment():
-    return False, (f"N={n} (w {w.shape}) must be a multiple of {kernel.n_alignment()}; pad the "
-                   f"output channels of w")
-  tiles = sched_lib.padded_tiles(x.shape[0], w.shape[0], 64)  # sm90's, the larger
-  if tiles * 16 > _MAX_SCHEDULE_BYTES:
-    return False, (f"A={x.shape[0]} rows need a {tiles}-tile schedule, over the "
-                   f"{_MAX_SCHEDULE_BYTES} bytes of SMEM it may take; split the rows into calls")
-  return True, ""
+def _plan(x, w_enk, x_scale, w_scale, out_dtype, num_weights, w_layout, arch=None):
+  """The planner's answer (plan.plan) for these inputs; w_enk: w's (E, N, K) view."""
+  scaled = x_scale is not None and w_scale is not None  # one scale alone: unsupported dtypes
+  return plan_lib.plan(x.shape[0], w_enk.shape[0], w_enk.shape[1], x.shape[1], x.dtype,
+                       w_enk.dtype, scaled=scaled, num_weights=num_weights, out_dtype=out_dtype,
+                       w_layout=w_layout, arch=arch)
 
 
 def _k_major_view(w, w_layout):
@@ -102,22 +86,20 @@ def _k_major_view(w, w_layout):
   return jax.ShapeDtypeStruct((w.shape[0], w.shape[2], w.shape[1]), w.dtype)
 
 
-def _layout_support(w, w_layout, supported, why):
-  if supported and w_layout == "ekn" and w.dtype == FP8:
-    return False, ("FP8 tensor cores take only K-major weights: store FP8 experts as (E, N, K) "
-                   "and pass w_layout='enk'")
-  return supported, why
-
-
 def _as_enk(w, w_layout):
   return jnp.swapaxes(w, 1, 2) if w_layout == "ekn" else w
 
 
-def pallas_support(x, w, *, x_scale=None, w_scale=None, w_layout: str = "enk"
+def pallas_support(x, w, *, x_scale=None, w_scale=None, w_layout: str = "enk",
+                   out_dtype=jnp.bfloat16, swiglu: bool = False, arch: str | None = None
                    ) -> tuple[bool, str]:
-  """(supported, why not) for the Pallas kernel on these inputs (arrays or ShapeDtypeStructs)."""
-  view = _k_major_view(w, w_layout)
-  return _layout_support(w, w_layout, *_kernel_support(x, view, x_scale, w_scale))
+  """(supported, why not) for the Pallas kernel on these inputs (arrays or ShapeDtypeStructs):
+  the planner's answer, so a supported call lowers. `swiglu`: for grouped_swiglu (w is the gate,
+  the up weight has its shape: two accumulators and weight pipelines). `arch`: default the one a
+  kernel would run on."""
+  p = _plan(x, _k_major_view(w, w_layout), x_scale, w_scale, out_dtype, 2 if swiglu else 1,
+            w_layout, arch)
+  return p.supported, p.why
 
 
 def _arch_module():
@@ -132,15 +114,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   w_layout="ekn": bf16 w stored (E, K, N) (computing x @ w[g]), read as stored by the kernel."""
   view = _k_major_view(w, w_layout)
   _validate(x, view, group_sizes, x_scale, w_scale, out_dtype)
-  supported, why = _layout_support(w, w_layout, *_kernel_support(x, view, x_scale, w_scale))
-  impl = common.resolve(implementation, supported=supported, why=why)
+  plan = _plan(x, view, x_scale, w_scale, out_dtype, 1, w_layout, common.runnable_arch())
+  impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla" or x.shape[0] == 0:  # no rows: nothing for a kernel to schedule
     return reference.grouped_matmul(x, _as_enk(w, w_layout), group_sizes, x_scale=x_scale,
                                     w_scale=w_scale, out_dtype=out_dtype)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
   return _arch_module().grouped_matmul(x, w, group_sizes.astype(jnp.int32), f32(x_scale),
                                        f32(w_scale), jnp.dtype(out_dtype),
-                                       w_kn=w_layout == "ekn")
+                                       w_kn=w_layout == "ekn", cfg=plan.config)
 
 
 def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array, *,
@@ -156,9 +138,8 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes
   common.check((gate_scale is None) == (up_scale is None),
                "gate_scale and up_scale: pass both (FP8 experts) or neither")
   _validate(x, up_view, group_sizes, x_scale, up_scale, out_dtype)
-  supported, why = _layout_support(w_gate, w_layout,
-                                   *_kernel_support(x, gate_view, x_scale, gate_scale))
-  impl = common.resolve(implementation, supported=supported, why=why)
+  plan = _plan(x, gate_view, x_scale, gate_scale, out_dtype, 2, w_layout, common.runnable_arch())
+  impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla" or x.shape[0] == 0:
     return reference.grouped_swiglu(x, _as_enk(w_gate, w_layout), _as_enk(w_up, w_layout),
                                     group_sizes, x_scale=x_scale,
@@ -167,4 +148,5 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
   return _arch_module().grouped_swiglu(x, w_gate, w_up, group_sizes.astype(jnp.int32),
                                        f32(x_scale), f32(gate_scale), f32(up_scale),
-                                       jnp.dtype(out_dtype), w_kn=w_layout == "ekn")
+                                       jnp.dtype(out_dtype), w_kn=w_layout == "ekn",
+                                       cfg=plan.config)

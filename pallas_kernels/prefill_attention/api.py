@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels.prefill_attention import plan as plan_lib
 from pallas_kernels.prefill_attention import reference
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = plan_lib.SUPPORTED_HEAD_DIMS
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -37,17 +38,27 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   lengths = lengths.astype(jnp.int32)
   if sm_scale is None:
     sm_scale = Dh ** -0.5
-  supported = Dh in SUPPORTED_HEAD_DIMS and q.dtype == jnp.bfloat16
-  impl = common.resolve(implementation, supported=supported,
-                        why=f"head_dim={Dh} (kernel takes {SUPPORTED_HEAD_DIMS}) with dtype "
-                            f"{q.dtype} (kernel takes bfloat16)")
+  plan = plan_lib.plan(T, H, k.shape[2], Dh, q.dtype, arch=common.runnable_arch())
+  impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla":
     return reference.prefill_attention(q, k, v, lengths, chunk_size, float(sm_scale))
   if common.target_arch() == "sm100":
     from pallas_kernels.prefill_attention import sm100 as kernel
   else:
     from pallas_kernels.prefill_attention import sm90 as kernel
-  return kernel.prefill_attention(q, k, v, lengths, chunk_size=chunk_size, sm_scale=float(sm_scale))
+  return kernel.prefill_attention(q, k, v, lengths, chunk_size=chunk_size, sm_scale=float(sm_scale),
+                                  config=plan.config)
+
+
+def pallas_support(q, k, v=None, *, arch: str | None = None) -> tuple[bool, str]:
+  """(supported, why not) for the Pallas kernel on q [B,T,H,Dh], k [B,T,K,Dh] (arrays or
+  ShapeDtypeStructs): the planner's answer, so a supported call lowers. `arch`: default the one a
+  kernel would run on."""
+  B, T, H, Dh = q.shape
+  same = q.dtype == k.dtype and (v is None or v.dtype == k.dtype)
+  dtype = q.dtype if same else jnp.float32  # mixed dtypes: unsupported
+  p = plan_lib.plan(T, H, k.shape[2], Dh, dtype, arch=arch)
+  return p.supported, p.why
 
 
 def _validate(q, k, v, lengths, chunk_size) -> None:
