@@ -185,6 +185,28 @@ def test_xla_path_matches_numpy():
     assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
 
 
+@pytest.mark.parametrize("group_sizes,safe", [
+    # Sizes whose int32 sum overflows (it wrapped negative and crashed the kernel's schedule).
+    ([2**31 - 1, 2**31 - 1, 5, 2**30], [20, 0, 0, 0]),
+    # Negative sizes count as empty groups.
+    ([-3, 7, -(2**31), 9], [0, 7, 0, 9]),
+    # A total past the rows is cut at the rows.
+    ([5, 12, 9, 1], [5, 12, 3, 0]),
+], ids=["int32_overflow", "negative", "past_rows"])
+def test_untrusted_group_sizes_are_made_safe_on_device(group_sizes, safe):
+  """Group sizes are traced, so they cannot be checked on the host: both paths clamp each to
+  [0, A] and cut the groups at A rows, the documented contract, matching float64 NumPy on the
+  clamped sizes (rows past the total are exactly 0)."""
+  num_rows = 20
+  x, w, _, _ = make_inputs(4, num_rows, 64, 64, [1, 1, 1, 1], jnp.bfloat16)
+  gs = jnp.asarray(np.array(group_sizes, np.int64).astype(np.int32))
+  np.testing.assert_array_equal(np.asarray(sched_lib.safe_group_sizes(gs, num_rows)), safe)
+  expected = numpy_grouped_matmul(x, w, safe)
+  out_xla = grouped_matmul(x, w, gs, out_dtype=jnp.float32, implementation="xla")
+  assert_rows_close(out_xla, expected, jnp.float32)
+  assert_rows_close(run_kernel(x, w, gs, {}, jnp.float32), expected, jnp.float32)
+
+
 def test_weight_only_fp8_falls_back_to_xla():
   group_sizes = [2, 3]
   x, _, gs, _ = make_inputs(4, 6, 128, 64, group_sizes, jnp.bfloat16)

@@ -4,8 +4,10 @@
                    w_scale[E, N] | None, out_dtype=bf16, implementation=None) -> [A, N]
 
 Weights are stored K-major per expert, (E, N, K), as FP8 tensor cores want (maverick stores FP8
-experts so; BF16 experts stay (E, D, F) = (E, K, N) and are read as stored with w_layout="ekn"). group_sizes is a device array;
-it should sum to <= A (rows past the sum are 0; a larger sum is clipped at A). Empty groups are
+experts so; BF16 experts stay (E, D, F) = (E, K, N) and are read as stored with w_layout="ekn"). group_sizes is a device array
+(traced: routing computes it), so it is made safe on device by both paths alike: each size is
+clamped to [0, A] and groups are cut where the running total reaches A (a saturating sum that
+cannot overflow int32); rows past the total are 0. Valid sizes (>= 0, sum <= A) are unchanged. Empty groups are
 fine. FP8: e4m3 x and w with per-row activation scales x_scale and per-expert per-output-channel
 weight scales w_scale, both applied to the f32 accumulator.
 
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.grouped_gemm import reference, sm90, sm100
+from pallas_kernels.grouped_gemm import reference, schedule, sm90, sm100
 from pallas_kernels.grouped_gemm import plan as plan_lib
 
 FP8 = jnp.float8_e4m3fn
@@ -114,6 +116,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   w_layout="ekn": bf16 w stored (E, K, N) (computing x @ w[g]), read as stored by the kernel."""
   view = _k_major_view(w, w_layout)
   _validate(x, view, group_sizes, x_scale, w_scale, out_dtype)
+  group_sizes = schedule.safe_group_sizes(group_sizes, x.shape[0])
   plan = _plan(x, view, x_scale, w_scale, out_dtype, 1, w_layout, common.runnable_arch())
   impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla" or x.shape[0] == 0:  # no rows: nothing for a kernel to schedule
@@ -138,6 +141,7 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes
   common.check((gate_scale is None) == (up_scale is None),
                "gate_scale and up_scale: pass both (FP8 experts) or neither")
   _validate(x, up_view, group_sizes, x_scale, up_scale, out_dtype)
+  group_sizes = schedule.safe_group_sizes(group_sizes, x.shape[0])
   plan = _plan(x, gate_view, x_scale, gate_scale, out_dtype, 2, w_layout, common.runnable_arch())
   impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla" or x.shape[0] == 0:

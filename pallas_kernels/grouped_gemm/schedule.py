@@ -21,6 +21,16 @@ GROUP, BLOCK, ROW_LO, ROW_HI = range(4)
 ZERO_GROUP = -1  # the tail pseudo-group: rows past sum(group_sizes), stored as zeros
 
 
+def safe_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+  """int32 sizes that are safe whatever the caller passed: each clamped to [0, num_rows] in its
+  own dtype (before any cast can wrap it), then cut where the running total reaches num_rows, with
+  a saturating scan so no partial sum can overflow. Group sizes are traced (routing computes
+  them), so this is done on device; valid sizes (>= 0, summing to <= num_rows) pass unchanged."""
+  sizes = jnp.clip(group_sizes, 0, num_rows).astype(jnp.int32)
+  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, num_rows), sizes)
+  return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+
+
 def max_tiles(num_rows: int, num_groups: int, tile_m: int) -> int:
   return -(-num_rows // tile_m) + min(num_groups, num_rows)
 
