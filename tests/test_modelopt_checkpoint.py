@@ -197,6 +197,11 @@ def test_import_static_activations(model, layout, hf_config, hf_fixture):
   got = np.asarray(model(jnp.asarray(inputs)).logits)
   rel, top1 = _agreement(got, want)
   assert rel < 1e-3 and top1 >= 0.98, (rel, top1)  # observed 2e-6 and 1.0
+  # Few tokens (6 assignments <= 8 experts): the gathered expert path, as in decoding.
+  short = inputs[:, :3]
+  want = np_forward(hf_config, ref, short, act=static_act(input_scales))
+  rel, _ = _agreement(np.asarray(model(jnp.asarray(short)).logits), want)
+  assert rel < 1e-3, rel
 
 
 def test_import_dynamic_activations(ckpt_dir, layout, hf_config, hf_fixture):
@@ -247,10 +252,12 @@ def test_multimodal_layout_and_cli_conversion(tmp_path, hf_config, layout, model
                                 np.asarray(model(inputs).logits))
 
 
-def test_convert_dynamic_option(tmp_path, ckpt_dir):
+def test_convert_dynamic_option(tmp_path, ckpt_dir, hf_fixture_dir):
   out = convert_hf_to_orbax(str(ckpt_dir), str(tmp_path / "conv"), dtype="float32",
                             progress=False, activations="dynamic_per_token")
   assert load_orbax(out).config.quant.activations == "dynamic_per_token"
+  with pytest.raises(CheckpointError, match="not one"):  # a BF16 checkpoint has no such choice
+    load_hf(str(hf_fixture_dir), activations="dynamic_per_token")
 
 
 def test_static_mode_is_not_made_from_bf16(fixture_model):
