@@ -20,6 +20,7 @@ from param_utils import assert_same_params, flat_params
 from safetensors.numpy import load_file, save_file
 from test_checkpoint import _assert_no_output, _cli, _one_line_error, np_forward
 
+import maverick
 from maverick import generate as gen
 from maverick import quant
 from maverick.checkpoint import CheckpointError, convert_hf_to_orbax, load_hf, load_orbax
@@ -38,7 +39,8 @@ def _fp8_modules(t: dict) -> list[str]:
   EXCLUDE (router, layer 0 attention)."""
   mods = []
   for n in t:
-    if not n.startswith("model.layers.") or "router" in n or n.startswith("model.layers.0.self_attn"):
+    if (not n.startswith("model.layers.") or "router" in n
+        or n.startswith("model.layers.0.self_attn")):
       continue
     if n.endswith("proj.weight"):
       mods.append(n[:-len(".weight")])
@@ -48,7 +50,8 @@ def _fp8_modules(t: dict) -> list[str]:
 
 
 def _tensor(mod: str) -> str:
-  return mod if mod.endswith(("gate_up_proj", "down_proj")) and "experts" in mod else mod + ".weight"
+  fused = "experts" in mod and mod.endswith(("gate_up_proj", "down_proj"))
+  return mod if fused else mod + ".weight"
 
 
 def _scale_names(mod: str) -> tuple[str, str]:
@@ -238,14 +241,14 @@ def test_multimodal_layout_and_cli_conversion(tmp_path, hf_config, layout, model
          "tie_word_embeddings": False, "text_config": hf_config,
          "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 32}}
   src = write_checkpoint(tmp_path / "hf", cfg, t, _quant_config(MM_EXCLUDE))
-  direct = load_hf(str(src), dtype="float32")
+  direct = maverick.load(str(src), dtype="float32").model  # --checkpoint <HF dir>
   assert_same_params(direct, model)
   out = tmp_path / "out"
   r = _cli(f"--hf_dir={src}", f"--out_dir={out}", "--dtype=float32")
   assert r.returncode == 0, r.stderr
   meta = json.loads((out / "maverick.json").read_text())
   assert meta["config"]["quant"]["activations"] == "static_per_tensor"
-  converted = load_orbax(str(out))
+  converted = maverick.load(str(out)).model  # what --checkpoint <out_dir> does
   assert_same_params(converted, model)
   inputs = jnp.asarray(hf_fixture["inputs"])
   np.testing.assert_array_equal(np.asarray(converted(inputs).logits),

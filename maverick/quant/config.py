@@ -27,9 +27,9 @@ class QuantConfigError(ValueError):
 class QuantConfig:
   """weights: "fp8" (e4m3, per-output-channel f32 scales) or None (all weights in the model dtype).
   activations: "dynamic_per_token" (each token's input row to an FP8 linear is quantized to e4m3 with
-  its own scale, computed at run time), "static_per_tensor" (each FP8 linear's input is quantized with
-  one calibrated scale stored next to its weight as `{weight}_input_scale`, as NVIDIA ModelOpt FP8
-  checkpoints do; such a model comes from a checkpoint, never from `quantize_model`) or "none"
+  its own scale, computed at run time), "static_per_tensor" (each FP8 linear's input is quantized
+  with one calibrated scale stored next to its weight as `{weight}_input_scale`, as NVIDIA ModelOpt
+  FP8 checkpoints do; such a model comes from a checkpoint, never from `quantize_model`) or "none"
   (weight-only: bf16 activations times FP8 weights).
   kv_cache: "fp8" (e4m3 with a scale per token and kv head) or None.
   activation_scale_ub: optional upper bound on a row's max |x| before scaling (fbgemm uses 1200).
