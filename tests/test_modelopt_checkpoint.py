@@ -263,6 +263,23 @@ def test_convert_dynamic_option(tmp_path, ckpt_dir, hf_fixture_dir):
     load_hf(str(hf_fixture_dir), activations="dynamic_per_token")
 
 
+def test_kv_scales_are_checked_not_used(tmp_path, layout, hf_config, model):
+  """The FP8 KV cache keeps its dynamic per-token scales: other k/v scales give the same model;
+  without kv_cache_quant_algo (and k/v scales) the KV cache stays unquantized."""
+  t = dict(layout[0])
+  t["model.layers.2.self_attn.k_proj.k_scale"] = np.array(5.0, np.float32)
+  d = write_checkpoint(tmp_path / "a", hf_config, t, _quant_config(EXCLUDE))
+  assert_same_params(load_hf(str(d), dtype="float32"), model)
+  t = {k: v for k, v in layout[0].items() if not k.endswith(("k_scale", "v_scale"))}
+  d = write_checkpoint(tmp_path / "b", hf_config, t, _quant_config(EXCLUDE, kv=None))
+  assert load_hf(str(d), dtype="float32").config.quant.kv_cache is None
+
+
+def _kv_scale_without_kv_algo(t, h, c):
+  h["quantization"]["kv_cache_quant_algo"] = None
+  del c["quantization_config"]["kv_cache_scheme"]
+
+
 def test_static_mode_is_not_made_from_bf16(fixture_model):
   with pytest.raises(quant.QuantError, match="calibrated"):
     quant.quantize_model(fixture_model, quant.QuantConfig(activations="static_per_tensor"))
@@ -327,9 +344,11 @@ def _kv_scale_shape(t, h, c):
     (_zero_input_scale, [X + "gate_up_proj_input_scale", "> 0"]),
     (_disagree, ["hf_quant_config.json", "disagree"]),
     (_kv_scale_shape, ["model.layers.4.self_attn.k_proj.k_scale", "[2]"]),
+    (_kv_scale_without_kv_algo, ["model.layers.0.self_attn.k_proj.k_scale",
+                                 "kv_cache_quant_algo"]),
 ], ids=["weight_scale_missing", "input_scale_missing", "per_channel_scale", "nvfp4",
         "excluded_fp8", "unexcluded_bf16", "zero_input_scale", "configs_disagree",
-        "kv_scale_shape"])
+        "kv_scale_shape", "kv_scale_without_kv_algo"])
 def test_bad_modelopt_checkpoints(tmp_path, layout, hf_config, mutate, words):
   t = dict(layout[0])
   h = json.loads(json.dumps(_quant_config(EXCLUDE)))
