@@ -153,10 +153,11 @@ def _scale_names(canonical: str) -> tuple[str, str]:
 def _check_scalar(st: hf_fp8._Stored, name: str, what: str) -> str:
   info, stored = st.info(name), st.names[name]
   if info.shape not in ((), (1,)):
+    hint = ("; per-channel weight scales are quant_algo FP8_PER_CHANNEL_PER_TOKEN, which is not "
+            "supported") if what == "weight_scale" else ""
     raise CheckpointError(
         f"scale tensor {stored} has shape {list(info.shape)}; ModelOpt FP8 (quant_algo FP8) "
-        f"stores {what} as one per-tensor scalar (shape [] or [1]); per-channel scales are "
-        "quant_algo FP8_PER_CHANNEL_PER_TOKEN, which is not supported")
+        f"stores {what} as one per-tensor scalar (shape [] or [1]){hint}")
   if info.dtype not in hf_fp8._SCALE_DTYPES:
     raise CheckpointError(f"scale tensor {stored} has dtype {info.dtype}; expected one of "
                           f"{list(hf_fp8._SCALE_DTYPES)}")
