@@ -69,6 +69,14 @@ def linear_weight(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | Non
           nnx.Param(s, logical_axes=out_axes))
 
 
+def input_scale_param(quant: quant_lib.QuantConfig | None, name: str) -> nnx.Param | None:
+  """The static activation scale of FP8 weight `name` (f32 scalar, a placeholder 1.0 until a
+  checkpoint sets it) when `quant.activations == "static_per_tensor"`, else None."""
+  if quant is None or not quant.static_activations or not quant.quantizes(name):
+    return None
+  return nnx.Param(jnp.ones((), jnp.float32), logical_axes=())
+
+
 def _value(p):
   return None if p is None else p[...]
 
@@ -211,14 +219,17 @@ def chunked_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int)
 
 def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array,
            scales=(None, None, None), quant=None, kernels: str | None = "xla",
-           placements=(None, None, None)) -> jax.Array:
+           placements=(None, None, None), input_scales=(None, None, None)) -> jax.Array:
   """scales: per-output-channel scales of FP8 gate/up/down (None for an unquantized weight);
-  placements: the weights' kernel placements on a sharded model (see `_placement`)."""
+  placements: the weights' kernel placements on a sharded model (see `_placement`);
+  input_scales: their static activation scales (quant activations "static_per_tensor")."""
   mm = functools.partial(quant_lib.einsum, kernels=kernels)
-  g = mm("...d,df->...f", x, gate_df, scales[0], quant, placement=placements[0])
-  u = mm("...d,df->...f", x, up_df, scales[1], quant, placement=placements[1])
+  g = mm("...d,df->...f", x, gate_df, scales[0], quant, placement=placements[0],
+         input_scale=input_scales[0])
+  u = mm("...d,df->...f", x, up_df, scales[1], quant, placement=placements[1],
+         input_scale=input_scales[1])
   return mm("...f,fd->...d", jax.nn.silu(g) * u, down_fd, scales[2], quant,
-            placement=placements[2])
+            placement=placements[2], input_scale=input_scales[2])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,6 +260,8 @@ class Attention(nnx.Module):
     self.v, self.v_scale = lw((Din, K, Dh), ("embed", "kv_heads", "head_dim"), name=n + "v")
     self.o, self.o_scale = lw((H, Dh, D), ("q_heads", "head_dim", "embed"), in_axes=(0, 1),
                               fan_in=H * Dh, name=n + "o")
+    for p in "qkvo":
+      setattr(self, f"{p}_input_scale", input_scale_param(cfg.quant, n + p))
     self.quant = cfg.quant
     self.use_rope = cfg.uses_rope(layer)
     self.qk_norm = cfg.use_qk_norm and self.use_rope
@@ -308,9 +321,12 @@ class Attention(nnx.Module):
 
   def project(self, x_btd, positions_bt):
     """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""
-    mm = lambda w, s: quant_lib.einsum("btd,dhk->bthk", x_btd, w[...], _value(s), self.quant,
-                                       kernels=self.kernels, placement=_placement(self, w))
-    q, k, v = mm(self.q, self.q_scale), mm(self.k, self.k_scale), mm(self.v, self.v_scale)
+    mm = lambda w, s, i: quant_lib.einsum("btd,dhk->bthk", x_btd, w[...], _value(s), self.quant,
+                                          kernels=self.kernels, placement=_placement(self, w),
+                                          input_scale=_value(i))
+    q = mm(self.q, self.q_scale, self.q_input_scale)
+    k = mm(self.k, self.k_scale, self.k_input_scale)
+    v = mm(self.v, self.v_scale, self.v_input_scale)
     if self.use_rope:
       inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
       q = apply_rope(q, positions_bt, inv_freq)
@@ -325,7 +341,8 @@ class Attention(nnx.Module):
 
   def output(self, out_bthk):
     return quant_lib.einsum("bthk,hkd->btd", out_bthk, self.o[...], _value(self.o_scale),
-                            self.quant, kernels=self.kernels, placement=_placement(self, self.o))
+                            self.quant, kernels=self.kernels, placement=_placement(self, self.o),
+                            input_scale=_value(self.o_input_scale))
 
 
 class MLP(nnx.Module):
@@ -338,14 +355,19 @@ class MLP(nnx.Module):
     self.gate, self.gate_scale = lw((dim, width), ("embed", axis), name=name + "gate")
     self.up, self.up_scale = lw((dim, width), ("embed", axis), name=name + "up")
     self.down, self.down_scale = lw((width, dim), (axis, "embed"), name=name + "down")
+    for p in ("gate", "up", "down"):
+      setattr(self, f"{p}_input_scale", input_scale_param(quant, name + p))
     self.quant = quant
     self.kernels = None  # see maverick.kernels
+
+  def input_scales(self):
+    return tuple(_value(getattr(self, f"{p}_input_scale")) for p in ("gate", "up", "down"))
 
   def __call__(self, x):
     scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
     placements = tuple(_placement(self, w) for w in (self.gate, self.up, self.down))
     return swiglu(x, self.gate[...], self.up[...], self.down[...], scales, self.quant,
-                  self.kernels, placements)
+                  self.kernels, placements, self.input_scales())
 
 
 class MoE(nnx.Module):
@@ -362,6 +384,9 @@ class MoE(nnx.Module):
     self.down, self.down_scale = lw((E, F, D), ("experts", "expert_mlp", "embed"), in_axes=(1,),
                                     fan_in=F, name=n + "experts.down")
     self.shared = MLP(D, F, dt, rngs, axis="expert_mlp", quant=cfg.quant, name=n + "shared.")
+    self.router_input_scale = input_scale_param(cfg.quant, n + "router")
+    for p in ("gate", "up", "down"):
+      setattr(self, f"{p}_input_scale", input_scale_param(cfg.quant, n + "experts." + p))
     self.quant = cfg.quant
     self.top_k = cfg.num_experts_per_tok
     if impl not in moe.MOE_IMPLS:
@@ -374,8 +399,13 @@ class MoE(nnx.Module):
     B, T, D = x_btd.shape
     x = x_btd.reshape(B * T, D)
     scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
+    input_scales = tuple(_value(getattr(self, f"{p}_input_scale")) for p in ("gate", "up", "down"))
     plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
     if plan is not None and not self.record_balance_loss:
+      if self.quant is not None and self.quant.static_activations:
+        raise NotImplementedError("the sharded MoE does not run static per-tensor FP8 "
+                                  "activations yet; load the checkpoint with "
+                                  "activations='dynamic_per_token' or without a mesh")
       shared = (self.shared.gate[...], self.shared.up[...], self.shared.down[...])
       shared_scales = (_value(self.shared.gate_scale), _value(self.shared.up_scale),
                        _value(self.shared.down_scale))
@@ -386,12 +416,13 @@ class MoE(nnx.Module):
                                kernels=self.kernels)
       return y.reshape(B, T, D)
     top_idx, scores, logits = moe.route(x, self.router[...], self.top_k,
-                                        router_scale=_value(self.router_scale), quant=self.quant)
+                                        router_scale=_value(self.router_scale), quant=self.quant,
+                                        router_input_scale=_value(self.router_input_scale))
     if self.record_balance_loss:
       self.sow(nnx.Intermediate, "balance_loss", moe.load_balancing_loss(logits, top_idx))
     routed = moe.moe_experts(x, top_idx, scores, self.gate[...], self.up[...], self.down[...],
                              impl=self.impl, scales=scales, quant=self.quant,
-                             kernels=self.kernels)
+                             kernels=self.kernels, input_scales=input_scales)
     return (self.shared(x) + routed).reshape(B, T, D)
 
 

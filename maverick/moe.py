@@ -21,12 +21,14 @@ from maverick import quant as quant_lib
 MOE_IMPLS = ("tiles", "ragged_dot")
 
 
-def route(x_nd: jax.Array, router_de: jax.Array, k: int, *, router_scale=None, quant=None
+def route(x_nd: jax.Array, router_de: jax.Array, k: int, *, router_scale=None, quant=None,
+          router_input_scale=None
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Llama 4 routing: top-k of the RAW router logits, sigmoid score (no softmax, no renorm).
   Returns (expert ids [N, k], scores [N, k], router logits [N, E]). `router_scale` [E]: the router
   is FP8 (see maverick.quant.einsum)."""
-  logits = quant_lib.einsum("nd,de->ne", x_nd, router_de, router_scale, quant)
+  logits = quant_lib.einsum("nd,de->ne", x_nd, router_de, router_scale, quant,
+                            input_scale=router_input_scale)
   top_logits, top_idx = jax.lax.top_k(logits, k)
   scores = jax.nn.sigmoid(top_logits.astype(jnp.float32)).astype(x_nd.dtype)
   return top_idx, scores, logits
@@ -117,13 +119,15 @@ def _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd):
 
 def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf: jax.Array,
                 up_edf: jax.Array, down_efd: jax.Array, *, impl: str = "tiles", scales=None,
-                quant=None, kernels: str | None = "xla") -> jax.Array:
+                quant=None, kernels: str | None = "xla", input_scales=None) -> jax.Array:
   """Sum over the k chosen experts of Expert_e(score * x) (the score scales the expert INPUT).
 
   The weights are named by their declared layout (gate/up [E,D,F], down [E,F,D]); an FP8 one is
   stored K-major (gate/up [E,F,D], down [E,D,F]; see maverick.quant.to_kmajor). scales: (gate
   [E,F], up [E,F], down [E,D]) per-expert per-output-channel scales of FP8 expert weights (None
   entries: that weight is unquantized); `quant` says whether activations are quantized per token.
+  input_scales: (gate, up, down) static activation scales (f32 scalars shared by all experts) when
+  `quant.activations` is "static_per_tensor"; that mode runs the XLA paths.
 
   With at most one assignment per expert on average (decode and verification steps) the chosen
   weights are gathered; otherwise tokens are sorted by expert for a grouped matmul (`impl`).
@@ -132,7 +136,8 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   k = top_idx.shape[-1]
   E = gate_edf.shape[0]
   quantized = scales is not None and any(s is not None for s in scales)
-  if kernels != "xla":
+  static = quantized and quant is not None and quant.static_activations
+  if kernels != "xla" and not static:
     from maverick import kernels as kernels_lib  # local: it imports pallas_kernels lazily too
     y = kernels_lib.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels,
                                 scales=scales if quantized else None, quant=quant)
@@ -140,7 +145,7 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
       return y
   if quantized:
     return _fp8_experts(x_nd, top_idx, scores, (gate_edf, up_edf, down_efd), scales, quant,
-                        impl=impl)
+                        impl=impl, input_scales=input_scales if static else (None,) * 3)
   if impl == "tiles" and N * k <= E:
     return _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd)
   flat_expert = top_idx.reshape(-1)
@@ -156,7 +161,8 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
 
 
-def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl):
+def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl,
+                 input_scales=(None, None, None)):
   """The two dispatch paths of `moe_experts` with FP8 expert weights: each assignment's input row
   is quantized per token (when `quant` says so), the grouped/gathered product runs FP8 x FP8 with
   f32 accumulation, and the row and expert-channel scales are applied to the accumulator."""
@@ -166,21 +172,25 @@ def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl):
   z = (x_nd[:, None, :] * scores[..., None]).reshape(-1, D)  # [A, D] score-scaled inputs
   e = top_idx.reshape(-1)
   if impl == "tiles" and N * k <= E:
-    def mm(a, w, s):
+    def mm(a, w, s, si):
       return quant_lib.einsum("ad,adf->af", a, w[e], None if s is None else s[e], quant,
-                              out_dtype=jnp.float32)
-    h = jax.nn.silu(mm(z, weights[0], scales[0])) * mm(z, weights[1], scales[1])
-    y = mm(h.astype(x_nd.dtype), weights[2], scales[2])
+                              out_dtype=jnp.float32, input_scale=si)
+    h = (jax.nn.silu(mm(z, weights[0], scales[0], input_scales[0]))
+         * mm(z, weights[1], scales[1], input_scales[1]))
+    y = mm(h.astype(x_nd.dtype), weights[2], scales[2], input_scales[2])
     return y.reshape(N, k, D).sum(axis=1).astype(x_nd.dtype)
 
   order = jnp.argsort(e, stable=True)
   expert_sorted = e[order]
   group_sizes = jnp.bincount(e, length=E).astype(jnp.int32)
 
-  def mm(a, w, s):
+  def mm(a, w, s, si=None):
     if s is None:
       return grouped_matmul(a, w, group_sizes, impl=impl)
-    if quant is not None and quant.quantize_activations:
+    if si is not None:  # static per-tensor activation scale
+      acc = grouped_matmul(quant_lib.quantize_static(a, si), w, group_sizes, impl=impl,
+                           kmajor=True) * jnp.asarray(si, jnp.float32)
+    elif quant is not None and quant.quantize_activations:
       aq, a_scale = quant_lib.quantize_rows(a, (-1,), quant.activation_scale_ub)
       acc = grouped_matmul(aq, w, group_sizes, impl=impl, kmajor=True) * a_scale[:, None]
     else:
@@ -188,7 +198,8 @@ def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl):
     return acc * s[expert_sorted].astype(jnp.float32)
 
   a = z[order]
-  h = (jax.nn.silu(mm(a, weights[0], scales[0])) * mm(a, weights[1], scales[1])).astype(x_nd.dtype)
-  y = mm(h, weights[2], scales[2]).astype(x_nd.dtype)
+  h = (jax.nn.silu(mm(a, weights[0], scales[0], input_scales[0]))
+       * mm(a, weights[1], scales[1], input_scales[1])).astype(x_nd.dtype)
+  y = mm(h, weights[2], scales[2], input_scales[2]).astype(x_nd.dtype)
   token = order // k
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)

@@ -3,7 +3,8 @@
 Reads config.json and model.safetensors (or sharded model-*.safetensors with
 model.safetensors.index.json) from --hf_dir; both the text-only (Llama4ForCausalLM) and the
 multimodal (Llama4ForConditionalGeneration, `language_model.` keys) layouts are accepted, and
-vision tensors are skipped. Every tensor name, shape and dtype is checked against config.json before
+vision tensors are skipped. FP8 checkpoints (compressed-tensors, fbgemm, NVIDIA ModelOpt) stay FP8.
+Every tensor name, shape and dtype is checked against config.json before
 anything is written. The output appears at --out_dir only when the conversion succeeds.
 
 Usage:
@@ -40,6 +41,11 @@ _OVERWRITE = flags.DEFINE_bool(
     "refused).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.")
 _CHECK_FINITE = cli.define_check_finite_flag()
+_ACTIVATIONS = flags.DEFINE_enum(
+    "activations", None, ["static_per_tensor", "dynamic_per_token"],
+    "NVIDIA ModelOpt FP8 checkpoints only: quantize activations with the checkpoint's static "
+    "per-tensor input scales (the default, as TensorRT-LLM and vLLM run it) or per token at run "
+    "time (the input scales are then dropped).")
 
 
 
@@ -73,7 +79,7 @@ def main(argv):
     signal.signal(sig, interrupted)
   try:
     out = convert_hf_to_orbax(hf_dir, _OUT_DIR.value, dtype=_DTYPE.value,
-                              check_finite=_CHECK_FINITE.value,
+                              check_finite=_CHECK_FINITE.value, activations=_ACTIVATIONS.value,
                               overwrite=_OVERWRITE.value, progress=_PROGRESS.value)
   except (CheckpointError, ConfigError, FileExistsError, PermissionError) as e:
     # User mistakes: one line, no traceback. Anything else is a bug and keeps its traceback.

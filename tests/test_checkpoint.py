@@ -87,8 +87,12 @@ def _assert_no_output(out):
 # ----------------------------------------------------------------------------------------------
 # Independent float64 NumPy reference (spec §2-3), HF config dict + HF tensor names only
 # ----------------------------------------------------------------------------------------------
-def np_forward(cfg: dict, t: dict, ids: np.ndarray) -> np.ndarray:
+def np_forward(cfg: dict, t: dict, ids: np.ndarray, act=None) -> np.ndarray:
+  """act(x, module): optional hook applied to the input of every linear / expert product (named
+  by its HF module, e.g. `model.layers.0.self_attn.q_proj`, `...feed_forward.experts.down_proj`):
+  activation quantization or calibration; None = identity."""
   f = lambda n: t[n].astype(np.float64)
+  a = (lambda x, n: x) if act is None else act
   L, D = cfg["num_hidden_layers"], cfg["hidden_size"]
   H, K = cfg["num_attention_heads"], cfg["num_key_value_heads"]
   Dh = cfg.get("head_dim") or D // H
@@ -112,7 +116,7 @@ def np_forward(cfg: dict, t: dict, ids: np.ndarray) -> np.ndarray:
   B, T = ids.shape
   pos = np.arange(T)
   silu = lambda z: z / (1 + np.exp(-z))
-  lin = lambda x, n: x @ f(n).T
+  lin = lambda x, n: a(x, n.removesuffix(".weight")) @ f(n).T
 
   def rms(x, w=None):
     y = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
@@ -165,8 +169,8 @@ def np_forward(cfg: dict, t: dict, ids: np.ndarray) -> np.ndarray:
       for e in range(gu.shape[0]):
         rows = np.nonzero((top == e).any(-1))[0]
         z = hn[rows] / (1 + np.exp(-r[rows, e:e + 1]))  # sigmoid score scales the INPUT
-        g = z @ gu[e]
-        out[rows] += (silu(g[:, :F]) * g[:, F:]) @ dn[e]
+        g = a(z, fp + "experts.gate_up_proj") @ gu[e]
+        out[rows] += a(silu(g[:, :F]) * g[:, F:], fp + "experts.down_proj") @ dn[e]
       h = out.reshape(B, T, D)
     else:
       h = mlp(h, fp)

@@ -111,6 +111,29 @@ def test_einsum_matches_float64_reference(spec, xs, ws, in_axes, x_axes, activat
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("spec,xs,ws,in_axes", [
+    ("btd,dhk->bthk", (2, 5, 32), (32, 4, 8), (0,)),
+    ("bthk,hkd->btd", (2, 5, 4, 8), (4, 8, 32), (0, 1)),
+])
+def test_einsum_static_per_tensor_matches_float64_reference(spec, xs, ws, in_axes):
+  """Static activation scale (ModelOpt FP8): e4m3(clip(x / s)) x FP8 weight, times s * w_scale;
+  the scale is small enough that some inputs clip."""
+  rng = np.random.default_rng(7)
+  x64 = rng.standard_normal(xs)
+  w64 = _weights(ws, in_axes, seed=8)
+  q, s = quant.quantize_weight(w64.astype(np.float32), in_axes)
+  w_deq = np.asarray(quant.dequantize(q, s, in_axes), np.float64)
+  si = np.float32(np.abs(x64).max() / 448 / 1.5)
+  qc = quant.QuantConfig(activations="static_per_tensor")
+  got = np.asarray(quant.einsum(spec, jnp.asarray(x64, jnp.float32), quant.to_kmajor(q, in_axes),
+                                s, qc, input_scale=jnp.float32(si)), np.float64)
+  x_ref = np.clip(x64.astype(np.float32) / si, -448, 448).astype(E4M3).astype(np.float64) * si
+  want = np.einsum(spec, x_ref, w_deq)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  with pytest.raises(ValueError, match="input_scale"):
+    quant.einsum(spec, jnp.asarray(x64, jnp.float32), quant.to_kmajor(q, in_axes), s, qc)
+
+
 @pytest.mark.parametrize("shape,in_axes,stored", [
     ((32, 4, 8), (0,), (4, 8, 32)),          # q/k/v: D -> (H, Dh, D)
     ((4, 8, 32), (0, 1), (32, 4, 8)),        # o: (H, Dh) -> D

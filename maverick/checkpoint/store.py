@@ -28,7 +28,7 @@ from tqdm import tqdm
 from maverick import config as config_lib
 from maverick import model as model_lib
 from maverick import sharding as sharding_lib
-from maverick.checkpoint import hf, hf_fp8
+from maverick.checkpoint import hf, hf_fp8, hf_modelopt
 from maverick.checkpoint.hf import CheckpointError
 
 FORMAT = "maverick-orbax/2"
@@ -196,15 +196,21 @@ def _hf_parts(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, dtype, pro
 
 def convert_hf_to_orbax(hf_dir: str, out_dir: str, *, dtype: str | None = None,
                         overwrite: bool = False, progress: bool = True,
-                        check_finite: bool = True) -> str:
+                        check_finite: bool = True, activations: str | None = None) -> str:
   """Converts a HF Llama 4 checkpoint directory (single or sharded safetensors) to our format.
 
   Names, shapes and dtypes are all checked from the headers before anything is written; each
   tensor is checked for NaN/inf as it streams through (`check_finite=False` skips that).
+  activations: for a ModelOpt FP8 checkpoint, "static_per_tensor" (default: its calibrated input
+  scales) or "dynamic_per_token" (see hf_modelopt.plan); other checkpoints refuse it.
   """
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
-  if hf_fp8.is_fp8(ckpt):  # kept in FP8; the derived quant config is recorded in maverick.json
+  mo = _modelopt(hf_dir, activations)
+  if mo is not None:
+    cfg, items = hf_modelopt.plan(ckpt, cfg, mo, activations=activations)
+    parts = hf_fp8.iter_parts(ckpt, items, progress=progress)
+  elif hf_fp8.is_fp8(ckpt):  # kept in FP8; the derived quant config is recorded in maverick.json
     cfg, items = hf_fp8.plan(ckpt, cfg, hf_dir)
     parts = hf_fp8.iter_parts(ckpt, items, progress=progress)
   else:
@@ -327,12 +333,26 @@ def full_path(part: str, key: tuple[str, ...]) -> tuple:
   return ("layers", int(part[6:])) + tuple(key) if part.startswith("layer_") else tuple(key)
 
 
+def _modelopt(hf_dir: str, activations: str | None):
+  mo = hf_modelopt.detect(hf_dir)
+  if mo is None and activations is not None:
+    raise hf.CheckpointError(f"activations={activations!r} applies to ModelOpt FP8 checkpoints; "
+                             f"{hf_dir} is not one")
+  return mo
+
+
 def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles",
-            check_finite: bool = True) -> model_lib.Llama4:
+            check_finite: bool = True, activations: str | None = None) -> model_lib.Llama4:
   """Loads a HF checkpoint directly (no conversion), one tensor at a time onto the device; each
-  tensor is checked for NaN/inf (`check_finite=False` skips that)."""
+  tensor is checked for NaN/inf (`check_finite=False` skips that). `activations`: see
+  convert_hf_to_orbax."""
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
+  mo = _modelopt(hf_dir, activations)
+  if mo is not None:
+    cfg, items = hf_modelopt.plan(ckpt, cfg, mo, activations=activations)
+    arrays = {path: jax.device_put(x) for path, x in hf_fp8.iter_params(ckpt, items)}
+    return _assemble(cfg, arrays, moe_impl)
   if hf_fp8.is_fp8(ckpt):
     cfg, items = hf_fp8.plan(ckpt, cfg, hf_dir)
     arrays = {path: jax.device_put(x) for path, x in hf_fp8.iter_params(ckpt, items)}

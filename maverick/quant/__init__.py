@@ -25,6 +25,7 @@ from maverick.quant.ops import (
   kmajor_order,
   quantize_kv,
   quantize_rows,
+  quantize_static,
   quantize_weight,
   to_kmajor,
 )
@@ -49,6 +50,7 @@ __all__ = [
   "quantize_kv",
   "quantize_model",
   "quantize_rows",
+  "quantize_static",
   "quantize_weight",
   "to_kmajor",
 ]

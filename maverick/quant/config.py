@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 WEIGHT_FORMATS = ("fp8",)
-ACTIVATION_MODES = ("none", "dynamic_per_token")
+ACTIVATION_MODES = ("none", "dynamic_per_token", "static_per_tensor")
 KV_FORMATS = ("fp8",)
 DEFAULT_SKIP = ("embed", "lm_head", "router")
 
@@ -27,7 +27,10 @@ class QuantConfigError(ValueError):
 class QuantConfig:
   """weights: "fp8" (e4m3, per-output-channel f32 scales) or None (all weights in the model dtype).
   activations: "dynamic_per_token" (each token's input row to an FP8 linear is quantized to e4m3 with
-  its own scale, computed at run time) or "none" (weight-only: bf16 activations times FP8 weights).
+  its own scale, computed at run time), "static_per_tensor" (each FP8 linear's input is quantized
+  with one calibrated scale stored next to its weight as `{weight}_input_scale`, as NVIDIA ModelOpt
+  FP8 checkpoints do; such a model comes from a checkpoint, never from `quantize_model`) or "none"
+  (weight-only: bf16 activations times FP8 weights).
   kv_cache: "fp8" (e4m3 with a scale per token and kv head) or None.
   activation_scale_ub: optional upper bound on a row's max |x| before scaling (fbgemm uses 1200).
   """
@@ -64,7 +67,12 @@ class QuantConfig:
 
   @property
   def quantize_activations(self) -> bool:
+    """Dynamic per-token activation quantization (the static mode is `static_activations`)."""
     return self.weights is not None and self.activations == "dynamic_per_token"
+
+  @property
+  def static_activations(self) -> bool:
+    return self.weights is not None and self.activations == "static_per_tensor"
 
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)

@@ -83,6 +83,13 @@ def quantize_params(flat: dict, fp8: dict[tuple, tuple], *, name) -> dict:
   return out
 
 
+def _refuse_static(quant: QuantConfig) -> None:
+  if quant.static_activations:
+    raise QuantError("activations 'static_per_tensor' need calibrated input scales, which "
+                     "quantization from BF16 does not compute; use 'dynamic_per_token' (or load "
+                     "a ModelOpt FP8 checkpoint, which carries its scales)")
+
+
 def _dotted(path) -> str:
   return ".".join(str(k) for k in path)
 
@@ -92,6 +99,7 @@ def quantize_model(model: model_lib.Llama4, quant: QuantConfig | None = None, *,
   """A new model with `quant` (default QuantConfig()): weights quantized per output channel,
   everything else shared with `model`. NaN/inf weights raise QuantError naming the weight."""
   quant = quant or QuantConfig()
+  _refuse_static(quant)
   cfg = model.config
   if cfg.quant is not None and cfg.quant.weights is not None:
     raise QuantError("the model is already quantized (config.quant.weights is set); quantize "
@@ -118,6 +126,8 @@ def dequantize_model(model: model_lib.Llama4, dtype: str | None = None, *,
       arrays[p] = _dequantize(x, flat[scale_path(p)], fp8[p], jnp.dtype(new_cfg.dtype))
     elif p[-1].endswith("_scale") and p[:-1] + (p[-1][:-len("_scale")],) in fp8:
       continue
+    elif p[-1].endswith("_input_scale") and p[:-1] + (p[-1][:-len("_input_scale")],) in fp8:
+      continue  # static activation scales: dropped with the quantization
     else:
       arrays[p] = x.astype(new_cfg.dtype)
   return _assemble(new_cfg, arrays, impl)
@@ -133,6 +143,7 @@ def quantize_checkpoint(src: str, out_dir: str, quant: QuantConfig | None = None
   """
   from maverick.checkpoint import hf, store
   quant = quant or QuantConfig()
+  _refuse_static(quant)
   if store.is_orbax_checkpoint(src):
     cfg = config_lib.Config.from_dict(store.read_meta(src)["config"])
     parts: Iterable = store.iter_orbax_parts(src, cfg)

@@ -137,9 +137,14 @@ def _align(a: jax.Array, subs: str, out: str) -> jax.Array:
   return a.reshape([a.shape[kept.index(c)] if c in kept else 1 for c in out])
 
 
+def quantize_static(x, input_scale) -> jax.Array:
+  """Static per-tensor activation quantization: e4m3(clip(x / input_scale, +-448))."""
+  return _to_fp8(jnp.asarray(x).astype(jnp.float32) / jnp.asarray(input_scale, jnp.float32))
+
+
 def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None,
            quant: QuantConfig | None = None, out_dtype=None, kernels: str | None = "xla",
-           placement=None) -> jax.Array:
+           placement=None, input_scale: jax.Array | None = None) -> jax.Array:
   """`jnp.einsum(spec, x, w)`, with `w` in FP8 when `scale` is given.
 
   Without a scale this IS jnp.einsum (the unquantized model is bit-identical). With one, w is FP8
@@ -151,10 +156,17 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
   accumulates in f32; scales are applied to the accumulator; the result has x's dtype.
   `kernels` (see maverick.kernels): None/"pallas" run the Pallas GEMM where it takes the call;
   `placement` = (sharding plan, w's logical axes) on a sharded model: the GEMM runs per shard.
+  `input_scale` (f32 scalar): the static activation scale of `quant.activations ==
+  "static_per_tensor"` (x is quantized as e4m3(clip(x / input_scale)), the accumulator multiplied
+  by input_scale); this mode always runs the XLA path.
   """
+  static = scale is not None and quant is not None and quant.static_activations
+  if static and input_scale is None:
+    raise ValueError(f"einsum {spec!r}: quant activations 'static_per_tensor' needs the weight's "
+                     "input_scale")
   if scale is not None:
     spec = kmajor_spec(spec, x.ndim)
-  if kernels != "xla":
+  if kernels != "xla" and not static:
     from maverick import kernels as kernels_lib  # local: it imports this module
     y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype, placement)
     if y is not None:
@@ -170,7 +182,10 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
     raise ValueError(f"einsum {spec!r}: scale has shape {scale.shape}, expected one entry per "
                      f"output channel of w (axes {w_keep!r} of {w.shape})")
   full = f"{xs},{ws}->{out}"
-  if quant is not None and quant.quantize_activations:
+  if static:
+    acc = jnp.einsum(full, quantize_static(x, input_scale), w, preferred_element_type=jnp.float32)
+    acc = acc * jnp.asarray(input_scale, jnp.float32)
+  elif quant is not None and quant.quantize_activations:
     xq, x_scale = quantize_rows(x, [xs.index(c) for c in contracted], quant.activation_scale_ub)
     acc = jnp.einsum(full, xq, w, preferred_element_type=jnp.float32)
     acc = acc * _align(x_scale, x_keep, out)
