@@ -1,0 +1,13 @@
+"""Speculative decoding tests that fail when the loop breaks (tests/mutants.py proves it: see
+test_every_mutant_is_killed). Checks live in tests/spec_checks.py, shared with
+scripts/mutation_score.py; references are plain greedy decoding and exact float64 probabilities."""
+
+import pytest
+
+import spec_checks as sc
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_teacher_draft_greedy_equals_plain_greedy(mode):
+  """Batch 4 (per-row stops inside accepted runs, a limit cutting one) and each row alone."""
+  sc.teacher_greedy(mode, batch=1)
