@@ -94,3 +94,97 @@ def teacher_greedy(mode: str, batch: int):
       assert one.tokens == [c.want[b]], (mode, b, one.tokens, c.want[b])
       assert (one.rounds[0], one.accepted[0]) == (out.rounds[b], out.accepted[b]), (mode, b)
       np.testing.assert_array_equal(one.accepted_at[0], out.accepted_at[b])
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: chi-squared tests against exact float64 distributions
+# ---------------------------------------------------------------------------------------------
+SAMPLE_PROMPT, N_TOK, ROWS, CALLS = [3, 11, 7], 4, 4000, 2
+SAMPLING = {"temp": dict(temperature=1.0), "top_p": dict(temperature=1.0, top_p=0.8)}
+CHI2_CHAIN_K, CHI2_TREE = 2, "2x3x6"  # N_TOK >= K + 2 / depth + 2: token 3 can be a bonus
+P_FAIL = 1e-3
+
+
+def _near_oracle_pair():
+  """A target that attends over its cache (random attention outputs added to a bigram model) and a
+  draft that reproduces the bigram part: proposals are often, not always, accepted at depth."""
+  from test_spec_decode import bigram_target_and_oracle_draft
+  target, draft = bigram_target_and_oracle_draft(3, SMALL)
+  target.lm_head[...] = target.lm_head[...] * 4.0
+  draft.lm_head[...] = target.lm_head[...]
+  donor = model_lib.init_model(SMALL, seed=9)
+  for layer, src in zip(target.layers, donor.layers):
+    layer.attn.o[...] = src.attn.o[...] * 0.25
+  return target, draft
+
+
+def _flat_subvocab_draft(oracle, size=16):
+  """The oracle on a random subset of the vocabulary (ids mapped by d2t) with flattened logits:
+  q differs from p, so rejections and residual draws are common."""
+  used = np.sort(np.random.default_rng(5).choice(SMALL.vocab_size, size, replace=False))
+  draft = draft_lib.init_draft(draft_lib.Eagle3Config.for_target(SMALL, draft_vocab_size=size), 0)
+  for name in ("fc", "embed_norm", "hidden_norm", "layer", "final_norm"):
+    setattr(draft, name, getattr(oracle, name))
+  draft.lm_head[...] = oracle.lm_head[...][:, used] * 0.5
+  draft.d2t[...] = jnp.asarray(used - np.arange(size), jnp.int32)
+  return draft
+
+
+class SamplingCase:
+
+  def __init__(self):
+    self.target, self.tree_draft = _near_oracle_pair()
+    self.chain_draft = _flat_subvocab_draft(self.tree_draft)
+    self.exact = {name: so.exact_joint(self.target, SAMPLE_PROMPT, N_TOK, **filt)
+                  for name, filt in SAMPLING.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def sampling_case():
+  return SamplingCase()
+
+
+def chi2_pvalue(counts, probs, min_expected=5.0):
+  """Pearson chi-squared p-value; cells expected below min_expected are pooled into one. Counts in
+  a cell of probability 0 give p = 0."""
+  counts, probs = np.ravel(counts), np.ravel(probs)
+  n = counts.sum()
+  if counts[probs <= 1e-12].sum() > 0:
+    return 0.0
+  small = n * probs < min_expected
+  obs = np.append(counts[~small], counts[small].sum())
+  exp = np.append(n * probs[~small], n * probs[small].sum())
+  keep = exp > 0
+  chi2 = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+  return float(scipy_stats.chi2.sf(chi2, keep.sum() - 1))
+
+
+def sampled_distribution(mode: str, setting: str):
+  """CALLS x ROWS rows of N_TOK sampled tokens; chi-squared tests of each token's marginal and of
+  the joint of each consecutive pair (tokens 2, 3 cover a bonus after a fully accepted round)
+  against the exact distribution. Drafts must be accepted at the last draft position."""
+  c = sampling_case()
+  target, draft = c.target, getattr(c, f"{mode}_draft")
+  shape = dict(k=CHI2_CHAIN_K) if mode == "chain" else dict(tree=CHI2_TREE)
+  toks, last_level = [], []
+  for seed in range(CALLS):
+    out = spec.generate(target, draft, [SAMPLE_PROMPT] * ROWS, max_new_tokens=N_TOK,
+                        stop_tokens=[], seed=seed, **shape, **SAMPLING[setting])
+    toks.append(np.asarray(out.tokens))
+    last_level.append(out.acceptance_rates[-1])
+  toks = np.concatenate(toks)
+  joint = c.exact[setting]
+  V = SMALL.vocab_size
+  axes = tuple(range(N_TOK))
+  pvals = {}
+  for t in range(N_TOK):
+    pvals[f"t{t}"] = chi2_pvalue(np.bincount(toks[:, t], minlength=V),
+                                 joint.sum(tuple(a for a in axes if a != t)))
+  for t in range(N_TOK - 1):
+    pair = np.bincount(toks[:, t] * V + toks[:, t + 1], minlength=V * V)
+    pvals[f"t{t},t{t + 1}"] = chi2_pvalue(pair, joint.sum(tuple(a for a in axes
+                                                                if a not in (t, t + 1))))
+  bad = {k: p for k, p in pvals.items() if p < P_FAIL}
+  assert not bad, (mode, setting, bad)
+  assert np.mean(last_level) > 0.1, (mode, setting, last_level)
+  return pvals, float(np.mean(last_level))

@@ -11,3 +11,11 @@ import spec_checks as sc
 def test_teacher_draft_greedy_equals_plain_greedy(mode):
   """Batch 4 (per-row stops inside accepted runs, a limit cutting one) and each row alone."""
   sc.teacher_greedy(mode, batch=1)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("setting", sorted(sc.SAMPLING))
+def test_sampled_tokens_and_pairs_match_exact_distribution(mode, setting):
+  """4 sampled tokens (the 4th is a bonus after a fully accepted first round) on a target that uses
+  its cache: chi-squared of every token and every consecutive pair vs float64 enumeration."""
+  sc.sampled_distribution(mode, setting)
