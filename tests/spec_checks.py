@@ -48,10 +48,12 @@ class TeacherCase:
     self.prompts = [rng.integers(1, V, n).tolist() for n in (5, 13, 9, 3)]
     long = so.greedy(target, self.prompts, N_LONG)
     self.seqs = [p + g for p, g in zip(self.prompts, long)]
-    # Wrong first proposals every 7th generated token (a different phase per row).
-    gen_err = [set(range(2 + b, N_LONG, 7)) for b in range(4)]
-    self.errors = [[len(p) + i for i in e] for p, e in zip(self.prompts, gen_err)]
-    clean = lambda b, i: not ({i - 1, i, i + 1} & gen_err[b])
+    # Wrong first proposals every 7th (soft) and 11th (hard) generated token, phases per row.
+    soft = [set(range(2 + b, N_LONG, 7)) for b in range(4)]
+    hard = [set(range(5 + b, N_LONG, 11)) - soft[b] for b in range(4)]
+    absolute = lambda errs: [[len(p) + i for i in e] for p, e in zip(self.prompts, errs)]
+    self.soft, self.hard = absolute(soft), absolute(hard)
+    clean = lambda b, i: not ({i - 1, i, i + 1} & (soft[b] | hard[b]))
 
     def stop_at(b, lo):  # a token first seen at generated index i >= lo, inside a clean run
       g = long[b]
@@ -63,9 +65,9 @@ class TeacherCase:
     self.want = so.greedy(target, self.prompts, self.limits, stop_tokens=self.stops)
     assert len(self.want[0]) == s0 + 1 and len(self.want[2]) == s2 + 1
     assert len(self.want[1]) == self.limits[1] and len(self.want[3]) == self.limits[3]
-    self.draft = so.teacher_draft(target, self.seqs, self.errors)
-    self.row_drafts = [so.teacher_draft(target, [s], [e], width=64 + N_LONG + 16 - len(s))
-                       for s, e in zip(self.seqs, self.errors)]
+    self.draft = so.teacher_draft(target, self.seqs, self.soft, self.hard)
+    self.row_drafts = [so.teacher_draft(target, [s], [e], [h], width=64 + N_LONG + 16 - len(s))
+                       for s, e, h in zip(self.seqs, self.soft, self.hard)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,7 +88,7 @@ def teacher_greedy(mode: str, batch: int):
   out = spec.generate(c.target, c.draft, c.prompts, max_new_tokens=c.limits,
                       stop_tokens=c.stops, **_shape(mode))
   assert out.tokens == c.want, (mode, out.tokens, c.want)
-  assert out.acceptance_length > 2.5, (mode, out.acceptance_length)
+  assert out.acceptance_length > 2, (mode, out.acceptance_length)
   if batch == 1:
     for b in range(len(c.prompts)):
       one = spec.generate(c.target, c.row_drafts[b], [c.prompts[b]], max_new_tokens=c.limits[b],
@@ -188,3 +190,27 @@ def sampled_distribution(mode: str, setting: str):
   assert not bad, (mode, setting, bad)
   assert np.mean(last_level) > 0.1, (mode, setting, last_level)
   return pvals, float(np.mean(last_level))
+
+
+def fp8_tree_commit():
+  """The NumPy-referenced unit test of commit_path on an FP8 cache (entries and scales move)."""
+  from test_tree import test_commit_path_moves_fp8_scales_with_their_entries
+  test_commit_path_moves_fp8_scales_with_their_entries()
+
+
+# The fast checks by name, cheapest first within each kind (mutation runs try them in order).
+CHECKS = {
+    "teacher chain b4": lambda: teacher_greedy("chain", 4),
+    "teacher tree b4": lambda: teacher_greedy("tree", 4),
+    "teacher chain b1": lambda: teacher_greedy("chain", 1),
+    "teacher tree b1": lambda: teacher_greedy("tree", 1),
+    "fp8 tree commit": fp8_tree_commit,
+    **{f"chi2 {mode} {setting}": functools.partial(sampled_distribution, mode, setting)
+       for mode in ("chain", "tree") for setting in SAMPLING},
+}
+
+
+def prepare():
+  """Builds every reference before any mutant is applied."""
+  cases()
+  sampling_case()
