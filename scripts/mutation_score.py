@@ -31,7 +31,7 @@ def run(mutants=None, log=lambda line: print(line, flush=True)):
         try:
           spec_checks.CHECKS[name]()
         except Exception as e:  # a failing assertion or a crash: the test fails either way
-          killer, why = name, f"{type(e).__name__}: {str(e)[:120]}"
+          killer, why = name, f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
           break
     results.append((m.name, killer, why, time.perf_counter() - start))
     log(f"{'killed' if killer else 'SURVIVED':8s} {m.name:50s} by {killer}  "

@@ -1,45 +1,37 @@
-"""Fast losslessness checks of speculative decoding, as plain functions: tests/test_spec_lossless.py
-runs them under pytest and scripts/mutation_score.py runs them against each mutant (tests/mutants.py).
+"""Fast losslessness checks of speculative decoding, as plain functions: pytest runs them in
+tests/test_spec_lossless.py, scripts/mutation_score.py against each mutant of tests/mutants.py.
 
 References are independent of spec_decode: plain greedy decoding (maverick.generate) and exact
 probabilities from the target's logits in float64 NumPy. Every check raises AssertionError on a
-mismatch. Inputs (models, references) are built once per process by `cases()`.
+mismatch. Inputs (models, references) are built once per process (`prepare()`).
 """
 
 from __future__ import annotations
 
 import functools
-import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 from scipy import stats as scipy_stats
 
-from maverick import config as config_lib
 from maverick import model as model_lib
 from spec_decode import draft as draft_lib
 from spec_decode import speculative as spec
 
 import spec_oracles as so
+from test_spec_decode import SMALL, bigram_target_and_oracle_draft
 
-FIXTURE_DIR = pathlib.Path(__file__).parent / "fixtures" / "hf_llama4_tiny"
 CHAIN_K, TREE = 4, "4x2x8"
 N_LONG = 40  # greedy tokens in the teacher's table: more than any row generates
-SMALL = config_lib.Config(
-    vocab_size=24, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
-    attention_chunk_size=4, no_rope_layer_interval=4, floor_scale=2.0, attn_scale=0.5,
-    rope_theta=10000.0, dtype="float32")
-# The teacher tests' target: real (cached, chunked, NoPE, MoE) attention at a quarter of the
-# fixture's compile time.
+# The teacher tests' target: random weights, real attention over its cache (chunked, NoPE and MoE
+# layers); its greedy references build in half the time of the HF fixture's.
 TEACHER_CFG = SMALL.replace(vocab_size=128, attention_chunk_size=8)
 
 
 class TeacherCase:
-  """The fixture target (real attention over its cache), 4 prompts, their long greedy
-  continuations, deliberate teacher errors, per-row stops / limits inside accepted runs, and the
-  plain greedy outputs under those stops / limits."""
+  """A target that attends over its cache, 4 prompts, their long greedy continuations,
+  deliberate teacher errors, per-row stops / limits inside accepted runs, and the plain greedy
+  outputs under those stops / limits."""
 
   def __init__(self, target):
     self.target = target
@@ -110,7 +102,6 @@ P_FAIL = 1e-3
 def _near_oracle_pair():
   """A target that attends over its cache (random attention outputs added to a bigram model) and a
   draft that reproduces the bigram part: proposals are often, not always, accepted at depth."""
-  from test_spec_decode import bigram_target_and_oracle_draft
   target, draft = bigram_target_and_oracle_draft(3, SMALL)
   target.lm_head[...] = target.lm_head[...] * 4.0
   draft.lm_head[...] = target.lm_head[...]

@@ -31,7 +31,7 @@ TOP, SECOND = 10.0, 7.0  # teacher logits: proposal, and the right token under a
 
 
 class TeacherDraft(draft_lib.Eagle3Draft):
-  """Eagle3Draft with the decoder replaced by table lookups (the cache just advances)."""
+  """Eagle3Draft with the decoder replaced by table lookups; its KV cache records the tokens fed."""
 
   def __call__(self, tokens_bt, hidden_btd, embed_vd, positions_bt=None, cache=None, *,
                prefill=False, logits_at=None, attention_fn=None, tree=None):
@@ -57,7 +57,8 @@ class TeacherDraft(draft_lib.Eagle3Draft):
     ok &= nxt >= 0
     top = jnp.where(wrong > 0, (nxt + 1) % V, nxt)
     second = jnp.where(wrong == 1, nxt, (nxt + 2) % V)
-    logits = TOP * jax.nn.one_hot(top, V) + SECOND * jax.nn.one_hot(second, V) * (wrong > 0)[..., None]
+    logits = (TOP * jax.nn.one_hot(top, V)
+              + SECOND * jax.nn.one_hot(second, V) * (wrong > 0)[..., None])
     logits = jnp.where(ok[..., None], logits, 0.0)
     hidden = hidden_btd.astype(jnp.float32)
     if logits_at is not None:

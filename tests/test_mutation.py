@@ -8,8 +8,10 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 
 import mutation_score  # noqa: E402
+import pytest  # noqa: E402
 
 
+@pytest.mark.slow
 def test_every_mutant_is_killed():
   results = mutation_score.run(log=lambda line: None)
   survivors = [name for name, killer, _, _ in results if killer is None]
