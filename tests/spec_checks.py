@@ -33,7 +33,7 @@ class TeacherCase:
   deliberate teacher errors, per-row stops / limits inside accepted runs, and the plain greedy
   outputs under those stops / limits."""
 
-  def __init__(self, target):
+  def __init__(self, target, check_features=True):
     self.target = target
     rng = np.random.default_rng(0)
     V = target.config.vocab_size
@@ -57,7 +57,8 @@ class TeacherCase:
     self.want = so.greedy(target, self.prompts, self.limits, stop_tokens=self.stops)
     assert len(self.want[0]) == s0 + 1 and len(self.want[2]) == s2 + 1
     assert len(self.want[1]) == self.limits[1] and len(self.want[3]) == self.limits[3]
-    self.draft = so.teacher_draft(target, self.seqs, self.soft, self.hard)
+    self.draft = so.teacher_draft(target, self.seqs, self.soft, self.hard,
+                                  check_features=check_features)
     self.row_drafts = [so.teacher_draft(target, [s], [e], [h], width=64 + N_LONG + 16 - len(s))
                        for s, e, h in zip(self.seqs, self.soft, self.hard)]
 
@@ -67,16 +68,26 @@ def cases():
   return {"teacher": TeacherCase(model_lib.init_model(TEACHER_CFG, seed=5))}
 
 
+@functools.lru_cache(maxsize=None)
+def fp8_case():
+  """The same target with an FP8 KV cache (its features differ from a cache-free forward, so the
+  teacher checks tokens and positions only)."""
+  from maverick import quant
+  target = quant.quantize_model(model_lib.init_model(TEACHER_CFG, seed=5),
+                                quant.QuantConfig(weights=None, kv_cache="fp8"))
+  return TeacherCase(target, check_features=False)
+
+
 def _shape(mode):
   return dict(k=CHAIN_K) if mode == "chain" else dict(tree=TREE)
 
 
-def teacher_greedy(mode: str, batch: int):
+def teacher_greedy(mode: str, batch: int, case=None):
   """Greedy speculative output with the teacher draft == plain greedy output, with stops in the
   middle of accepted runs and limits that cut one; > 2 tokens per round. Batch 1 runs each row
   alone and must also give that row's batch-4 acceptance statistics (a finished row counts
   nothing, whatever the other rows do)."""
-  c = cases()["teacher"]
+  c = case or cases()["teacher"]
   out = spec.generate(c.target, c.draft, c.prompts, max_new_tokens=c.limits,
                       stop_tokens=c.stops, **_shape(mode))
   assert out.tokens == c.want, (mode, out.tokens, c.want)
@@ -184,9 +195,11 @@ def sampled_distribution(mode: str, setting: str):
 
 
 def fp8_tree_commit():
-  """The NumPy-referenced unit test of commit_path on an FP8 cache (entries and scales move)."""
+  """The NumPy-referenced unit test of commit_path on an FP8 cache (entries and scales move), then
+  the teacher tree run on an FP8-cache target (partial paths through siblings get committed)."""
   from test_tree import test_commit_path_moves_fp8_scales_with_their_entries
   test_commit_path_moves_fp8_scales_with_their_entries()
+  teacher_greedy("tree", 4, fp8_case())
 
 
 # The fast checks by name, cheapest first within each kind (mutation runs try them in order).
@@ -205,3 +218,5 @@ def prepare():
   """Builds every reference before any mutant is applied."""
   cases()
   sampling_case()
+  # fp8_case() is built on first use: only mutants that pass the commit_path unit test reach it,
+  # and mutants touch spec_decode only, never the plain greedy reference.

@@ -19,3 +19,9 @@ def test_sampled_tokens_and_pairs_match_exact_distribution(mode, setting):
   """4 sampled tokens (the 4th is a bonus after a fully accepted first round) on a target that uses
   its cache: chi-squared of every token and every consecutive pair vs float64 enumeration."""
   sc.sampled_distribution(mode, setting)
+
+
+def test_teacher_draft_tree_with_fp8_kv_cache():
+  """commit_path moves FP8 KV scales with their entries: the teacher tree run on an FP8-cache
+  target (paths through siblings, partial paths) equals that target's plain greedy output."""
+  sc.teacher_greedy("tree", 4, sc.fp8_case())
