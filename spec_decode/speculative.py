@@ -53,15 +53,16 @@ def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, pa
   The K-1 draft steps are one `fori_loop`, so compile time does not grow with K."""
   B = logits.shape[0]
 
-  def sample(logits, key):
+  def sample(j, logits, key, tokens, probs):
+    """Draws draft token j and records it with q, the distribution it was drawn from."""
     key, sub = jax.random.split(key)
     q = sampling.probabilities(draft.lift_logits(logits, vocab), params)
-    return key, q, sampling.draw(sub, jnp.log(q), params)
+    tok = sampling.draw(sub, jnp.log(q), params)
+    return key, tok, tokens.at[:, j].set(tok), probs.at[:, j].set(q)
 
   def step(j, carry):
     logits, hidden, dcache, key, tokens, probs = carry
-    key, q, tok = sample(logits, key)
-    tokens, probs = tokens.at[:, j].set(tok), probs.at[:, j].set(q)
+    key, tok, tokens, probs = sample(j, logits, key, tokens, probs)
     out = draft(tok[:, None], hidden[:, None], embed, cache=dcache.with_lengths(committed + j))
     return out.logits[:, 0], out.hidden[:, 0], out.cache, key, tokens, probs
 
@@ -71,8 +72,8 @@ def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, pa
   probs = jnp.zeros((B, k, vocab), q_dtype)
   logits, _, dcache, key, tokens, probs = jax.lax.fori_loop(
       0, k - 1, step, (logits, hidden, dcache, key, tokens, probs))
-  _, q, tok = sample(logits, key)  # the last draft token needs no draft step after it
-  tokens, probs = tokens.at[:, k - 1].set(tok), probs.at[:, k - 1].set(q)
+  # The last draft token needs no draft step after it.
+  _, _, tokens, probs = sample(k - 1, logits, key, tokens, probs)
   return Candidates(tokens, probs, chain_parents(k)), dcache
 
 

@@ -103,13 +103,13 @@ MUTANTS = [
     Mutant("acceptance ignores q (u < p)", V, "verify_chain",
            "accept = u * q_draft < p_draft", "accept = u < p_draft", CHI2_CHAIN),
     Mutant("q lifted to draft ids (d2t ignored)", S, "draft_chain",
-           "probs.append(q)",
-           "probs.append(sampling.probabilities(jnp.pad(logits, ((0, 0), (0, vocab - "
+           "probs.at[:, j].set(q)",
+           "probs.at[:, j].set(sampling.probabilities(jnp.pad(logits, ((0, 0), (0, vocab - "
            "logits.shape[-1])), constant_values=-jnp.inf), params))", CHI2_CHAIN),
     Mutant("sampling params not applied to q", S, "draft_chain",
-           "probs.append(q)",
-           "probs.append(jax.nn.softmax(draft.lift_logits(logits, vocab).astype(jnp.float32)))",
-           CHI2_CHAIN[::-1]),
+           "probs.at[:, j].set(q)",
+           "probs.at[:, j].set(jax.nn.softmax(draft.lift_logits(logits, vocab).astype("
+           "jnp.float32)))", CHI2_CHAIN[::-1]),
     Mutant("draft fed the features one position early", S, "_spec_generate",
            "dout = draft(emitted, draft.fuse(features), embed",
            "dout = draft(emitted, draft.fuse(jnp.roll(features, 1, axis=1)), embed", TEACHER),
