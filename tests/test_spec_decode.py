@@ -229,6 +229,7 @@ def test_k_must_be_positive(fixture_model, random_draft):
 
 def _draft_calls_traced(target, draft, k, monkeypatch):
   """How many draft forwards the traced speculative program holds for chain length k."""
+  jax.clear_caches()  # a trace cached by an earlier test would run no Python at all
   calls = []
   real = type(draft).__call__
   monkeypatch.setattr(type(draft), "__call__", lambda self, *a, **kw: calls.append(1) or
