@@ -86,3 +86,80 @@ def _json_counts(trace: dict | list) -> collections.Counter:
       continue  # a named host process: driver API calls, not copies
     counts[e["name"]] += 1
   return counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Op time by named scope: where a compiled program spends its time
+# ----------------------------------------------------------------------------------------------
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLED = re.compile(r"(?:body|condition|calls|to_apply)=%([\w.\-]+)|"
+                     r"branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+)|"
+                     r"false_computation=%([\w.\-]+)")
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+  """{instruction name: op_name} for every instruction of a compiled HLO module's text.
+
+  XLA drops the metadata of some ops it creates (loop bodies it rewrites, sunk constants): those
+  inherit the op_name of the instruction whose called computation holds them, so every op of a
+  `jax.named_scope` lands in that scope."""
+  own, computation_of, caller = {}, {}, {}
+  comp = None
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m:
+      comp = m.group(1)
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name = m.group(1)
+    computation_of[name] = comp
+    op = _OP_NAME.search(line)
+    if op:
+      own[name] = op.group(1)
+    for c in _CALLED.finditer(line):
+      for called in filter(None, c.groups()):
+        for callee in called.replace("%", "").split(","):
+          caller.setdefault(callee.strip(), name)
+
+  def scope(name, depth=0):
+    if name in own or depth > 64:
+      return own.get(name, "")
+    parent = caller.get(computation_of.get(name))
+    return scope(parent, depth + 1) if parent else ""
+
+  return {name: scope(name) for name in computation_of}
+
+
+def host_op_times(path: str | Path) -> collections.Counter:
+  """{op name: summed nanoseconds} of the XLA:CPU thunks in one xplane trace (recorded with
+  XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true). Times are per-op busy time summed over threads."""
+  from jax._src.lib import _profile_data
+  profile = _profile_data.ProfileData.from_file(str(path))
+  times = collections.Counter()
+  for plane in profile.planes:
+    for line in plane.lines:
+      if "XLAEigen" not in line.name:
+        continue
+      for event in line.events:
+        if not event.name.startswith("ThunkExecutor"):
+          times[event.name] += event.duration_ns
+  return times
+
+
+def time_by_scope(op_times: collections.Counter, scopes: dict[str, str],
+                  pieces: dict[str, str]) -> dict[str, float]:
+  """Sums op times per piece: {piece: ns} where an op belongs to the first piece whose scope
+  string is in its op_name; ops in no piece go to "other". Control ops (while, conditional,
+  call) are skipped: their time is their callees' ops, already counted."""
+  out = collections.Counter({piece: 0 for piece in pieces})
+  for op, ns in op_times.items():
+    if op.split(".")[0] in ("while", "conditional", "call"):
+      continue
+    op_name = scopes.get(op, "")
+    piece = next((p for p, s in pieces.items() if s in op_name), "other")
+    out[piece] += ns
+  return dict(out)

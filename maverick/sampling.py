@@ -69,12 +69,17 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
   return jnp.where((params.temperature > 0)[:, None], probs, greedy)
 
 
+def any_sampled(params: SamplingParams) -> jax.Array:
+  """True when some row samples (temperature > 0): the predicate of every greedy fast path, which
+  must give exactly what the general path gives greedy rows (one-hot distributions)."""
+  return jnp.any(params.temperature > 0)
+
+
 def draw(key: jax.Array, log_probs: jax.Array, params: SamplingParams) -> jax.Array:
   """jax.random.categorical over the last axis, skipped when every row is greedy: then each row's
   distribution is one-hot and its argmax is the draw. Generating B x V random numbers per token
   costs more than a small model's decode step on CPU."""
-  sampled = jnp.any(params.temperature > 0)
-  return jax.lax.cond(sampled, lambda: jax.random.categorical(key, log_probs, axis=-1),
+  return jax.lax.cond(any_sampled(params), lambda: jax.random.categorical(key, log_probs, axis=-1),
                       lambda: jnp.argmax(log_probs, axis=-1)).astype(jnp.int32)
 
 
@@ -82,7 +87,7 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Arr
   """One token per row [B] int32."""
   greedy = jnp.argmax(logits, axis=-1)
   drawn = jax.lax.cond(
-      jnp.any(params.temperature > 0),
+      any_sampled(params),
       lambda: jax.random.categorical(key, processed_logits(logits, params), axis=-1),
       lambda: greedy)
   return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)

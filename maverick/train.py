@@ -121,12 +121,15 @@ class LoopResult:
 def train_loop(params: nnx.State, loss_fn: LossFn, batch_fn: Callable[[int], object],
                tc: TrainConfig, workdir: str, *, progress: bool = True,
                stop_after: int | None = None, on_log: Callable[[dict], None] | None = None,
-               postfix: Sequence[str] = ("loss",)) -> LoopResult:
+               postfix: Sequence[str] = ("loss",),
+               evaluate: Callable[[int, nnx.State], bool] | None = None,
+               eval_every: int = 0) -> LoopResult:
   """AdamW steps with orbax checkpoints in `workdir/checkpoints`, resuming from the newest one.
 
   batch_fn(step) must be a pure function of the step, so a resumed run replays the same batches.
   `stop_after`: return after this many steps of this run without a final checkpoint (as if killed),
-  for tests of resuming.
+  for tests of resuming. `evaluate(step, params) -> stop` runs every `eval_every` steps (early
+  stopping on a held-out metric); when it returns True the loop checkpoints and returns.
   """
   check_writable(workdir)
   tx = optimizer(tc)
@@ -164,8 +167,11 @@ def train_loop(params: nnx.State, loss_fn: LossFn, batch_fn: Callable[[int], obj
         bar.set_postfix({k: f"{m[k]:.3f}" for k in postfix if k in m})
         if on_log:
           on_log(m)
-      if step % tc.checkpoint_every == 0 or step == tc.steps:
-        save()
+      stop = bool(evaluate and eval_every and step % eval_every == 0 and evaluate(step, params))
+      if stop or step % tc.checkpoint_every == 0 or step == tc.steps:
+        save(force=stop)
+      if stop:
+        break
   except KeyboardInterrupt:
     save(force=True)
     raise

@@ -45,10 +45,20 @@ _MLP_WIDTH = flags.DEFINE_integer("mlp_width", None, "Draft MLP width (default: 
                                   "dense MLP width).")
 _DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", None, "Reduced draft vocabulary (most "
                                     "frequent ids in the data, mapped by d2t). Default: full.")
+_INIT = flags.DEFINE_string("init_draft", None, "Continue training from this draft (a directory "
+                            "saved by this script, or 'tiny' for the shipped one) instead of a "
+                            "random init; its config and vocabulary map are kept.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init, data and batch-order seed.")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 50, "Checkpoint interval (steps).")
 _EVAL_PROMPTS = flags.DEFINE_integer("eval_prompts", 32, "Held-out prompts for acceptance length.")
 _EVAL_NEW = flags.DEFINE_integer("eval_new_tokens", 128, "Tokens generated per eval prompt.")
+_EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every", 100, "Early stopping: every this many steps, measure greedy acceptance at K=3 "
+    "on --stop_prompts held-out files (disjoint from the card's and the benchmark's); 0 = off.")
+_PATIENCE = flags.DEFINE_integer("patience", 3, "Stop after this many evaluations without a new "
+                                 "best acceptance; the best draft is the one exported.")
+_STOP_PROMPTS = flags.DEFINE_integer("stop_prompts", 16, "Held-out prompts of the early-stopping "
+                                     "evaluation (64 new tokens each).")
 
 
 
@@ -85,8 +95,12 @@ def main(argv):
     sequences = _training_sequences(np, spec_train, target, stream, temps)
     dcfg = Eagle3Config.for_target(loaded.config, intermediate_size=_MLP_WIDTH.value,
                                    draft_vocab_size=_DRAFT_VOCAB.value)
-    d2t = None
-    if dcfg.draft_vocab_size < loaded.config.vocab_size:
+    d2t, init = None, None
+    if _INIT.value:
+      import spec_decode
+      init = spec_decode.load_draft(_INIT.value, target)
+      dcfg = init.config
+    elif dcfg.draft_vocab_size < loaded.config.vocab_size:
       d2t = spec_train.vocab_map(sequences, loaded.config.vocab_size, dcfg.draft_vocab_size)
     tc = train_lib.TrainConfig(steps=_STEPS.value, batch_size=_BATCH.value,
                                seq_len=sequences.shape[1], learning_rate=_LR.value,
@@ -95,18 +109,31 @@ def main(argv):
     print(f"draft: {sum(x.size for x in _param_leaves(dcfg)) / 1e6:.2f} M parameters; "
           f"{tc.steps} steps x {tc.batch_size} sequences of {tc.seq_len} tokens; "
           f"TTT length {_TTT.value}")
+    # Held-out files: the first prompt_len tokens of each validation file. The card reports the
+    # first --eval_prompts (benchmarks/spec_decode.py uses the first 8 of them); early stopping
+    # selects on the next --stop_prompts, so the reported acceptance is not the selection metric.
+    docs = data.encode_documents(tok.hf_tokenizer, val_texts.texts, tok.bos_id)
+    held_out = [d[:_PROMPT_LEN.value].tolist() for d in docs if len(d) >= _PROMPT_LEN.value]
+    prompts = held_out[:_EVAL_PROMPTS.value]
+    stop_prompts = held_out[_EVAL_PROMPTS.value:_EVAL_PROMPTS.value + _STOP_PROMPTS.value]
+    if _EVAL_EVERY.value and not stop_prompts:
+      raise ValueError(f"no held-out files left for early stopping after the {len(prompts)} "
+                       "evaluation prompts; lower --eval_prompts or pass --eval_every 0")
+    stopper = _EarlyStopping(spec, target, stop_prompts, loaded.stop_tokens, loaded.config.dtype,
+                             _PATIENCE.value)
     result = spec_train.train_draft(target, dcfg, tc, sequences, _WORKDIR.value,
-                                    ttt=spec_train.TTTConfig(length=_TTT.value), d2t=d2t)
+                                    ttt=spec_train.TTTConfig(length=_TTT.value), d2t=d2t,
+                                    evaluate=stopper if _EVAL_EVERY.value else None,
+                                    eval_every=_EVAL_EVERY.value, init=init)
   except (data.CorpusError, train_lib.TrainError, CheckpointError, DraftConfigError, ValueError,
           OSError) as e:
     return cli.fail("train_eagle3", e)
 
   draft = _cast(result.draft, loaded.config.dtype)
+  if stopper.best is not None and stopper.best_step != result.step:
+    if stopper.evaluate(draft) <= stopper.best_acceptance:  # the final draft is not better
+      draft = stopper.best
   out = draft_ckpt.save_draft(draft, _OUT_DIR.value, overwrite=True)
-  # Acceptance on held-out files: the first prompt_len tokens of each validation file.
-  docs = data.encode_documents(tok.hf_tokenizer, val_texts.texts, tok.bos_id)
-  prompts = [d[:_PROMPT_LEN.value].tolist() for d in docs if len(d) >= _PROMPT_LEN.value]
-  prompts = prompts[:_EVAL_PROMPTS.value]
   gen = spec.generate(target, draft, prompts, k=3, max_new_tokens=_EVAL_NEW.value,
                       stop_tokens=loaded.stop_tokens)
   final = result.history[-1] if result.history else {}
@@ -118,6 +145,9 @@ def main(argv):
                 "prompt_len": _PROMPT_LEN.value, "gen_len": _GEN_LEN.value,
                 "ttt_length": _TTT.value, "learning_rate": tc.learning_rate,
                 "seconds_this_run": round(result.seconds, 1),
+                "early_stopping": {"every": _EVAL_EVERY.value, "patience": _PATIENCE.value,
+                                   "prompts": len(stop_prompts), "best_step": stopper.best_step,
+                                   "curve": stopper.curve},
                 "resumed_from_step": result.resumed_from,
                 "final": {k: v for k, v in final.items() if k.startswith(("loss", "acc", "step"))}},
       "eval": {"prompts": len(prompts), "new_tokens": _EVAL_NEW.value, "k": 3,
@@ -130,6 +160,32 @@ def main(argv):
   print(f"exported {out}; greedy acceptance length at K=3 on {len(prompts)} held-out prompts: "
         f"{gen.acceptance_length:.3f} (per position {np.round(gen.acceptance_rates, 3).tolist()})")
   return 0
+
+
+class _EarlyStopping:
+  """evaluate(step, draft) -> stop: held-out greedy acceptance at K=3; keeps the best draft."""
+
+  def __init__(self, spec, target, prompts, stop_tokens, dtype, patience):
+    self.spec, self.target, self.prompts = spec, target, prompts
+    self.stop_tokens, self.dtype, self.patience = stop_tokens, dtype, patience
+    self.best, self.best_step, self.best_acceptance = None, None, -1.0
+    self.curve: list[tuple[int, float]] = []
+
+  def evaluate(self, draft) -> float:
+    gen = self.spec.generate(self.target, draft, self.prompts, k=3, max_new_tokens=64,
+                             stop_tokens=self.stop_tokens)
+    return gen.acceptance_length
+
+  def __call__(self, step, draft) -> bool:
+    draft = _cast(draft, self.dtype)
+    acceptance = self.evaluate(draft)
+    self.curve.append((step, round(acceptance, 4)))
+    if acceptance > self.best_acceptance:
+      self.best, self.best_step, self.best_acceptance = draft, step, acceptance
+    since_best = sum(1 for s, _ in self.curve if s > self.best_step)
+    print(f"\nstep {step}: held-out acceptance {acceptance:.3f} (best {self.best_acceptance:.3f} "
+          f"at step {self.best_step})", flush=True)
+    return since_best >= self.patience
 
 
 def _training_sequences(np, spec_train, target, stream, temps):
@@ -191,6 +247,9 @@ draft vocabulary {c['draft_vocab_size']} of {c['target_vocab_size']}; the target
   temperatures {t['gen_temperatures']}) from the stdlib train split.
 - Training-time test, {t['ttt_length']} unrolled steps, loss weights 0.8^j; {t['steps']} steps x {t['batch_size']} sequences;
   AdamW lr {t['learning_rate']}; last run {t['seconds_this_run'] / 60:.1f} min on 2 CPU cores.
+- Early stopping on held-out acceptance (K=3, {t['early_stopping']['prompts']} files disjoint from the ones below), every
+  {t['early_stopping']['every']} steps, patience {t['early_stopping']['patience']}: exported step {t['early_stopping']['best_step']}; curve (step, acceptance)
+  {t['early_stopping']['curve']}.
 - Final metrics: {json.dumps(t['final'])}
 
 ## Acceptance (held-out stdlib files, greedy, K = {e['k']})

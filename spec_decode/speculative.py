@@ -34,6 +34,12 @@ from spec_decode.tree import (MAX_DRAFT_DEPTH, TreeShape, commit_path, draft_tre
 from spec_decode.verify import Candidates, chain_parents, verify_chain
 
 
+# Named scopes of a round's pieces: a profile of one generate call attributes every compiled op to
+# one of them (benchmarks/spec_decode.py's round breakdown).
+SCOPES = {piece: f"spec_{piece}" for piece in
+          ("verify", "accept", "bookkeeping", "draft_extend", "draft")}
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecStats:
@@ -54,11 +60,19 @@ def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, pa
   B = logits.shape[0]
 
   def sample(j, logits, key, tokens, probs):
-    """Draws draft token j and records it with q, the distribution it was drawn from."""
-    key, sub = jax.random.split(key)
-    q = sampling.probabilities(draft.lift_logits(logits, vocab), params)
-    tok = sampling.draw(sub, jnp.log(q), params)
-    return key, tok, tokens.at[:, j].set(tok), probs.at[:, j].set(q)
+    """Draws draft token j and records it with q, the distribution it was drawn from. All rows
+    greedy: q is one-hot at the argmax and verification never reads it, so only the argmax is
+    computed (no [B, V] work)."""
+    def sampled(key, probs):
+      key, sub = jax.random.split(key)
+      q = sampling.probabilities(draft.lift_logits(logits, vocab), params)
+      return key, sampling.draw(sub, jnp.log(q), params), probs.at[:, j].set(q)
+
+    def greedy(key, probs):
+      return key, draft.target_ids(jnp.argmax(logits, axis=-1)).astype(jnp.int32), probs
+
+    key, tok, probs = jax.lax.cond(sampling.any_sampled(params), sampled, greedy, key, probs)
+    return key, tok, tokens.at[:, j].set(tok), probs
 
   def step(j, carry):
     logits, hidden, dcache, key, tokens, probs = carry
@@ -101,16 +115,20 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
     path's features [B, width+1, 3D], its draft tokens [B, width], accepted n, next token)."""
     tokens = jnp.concatenate([x0[:, None], cand.tokens], axis=1)
     if tree is None:
-      out = target(tokens, cache=cache.with_lengths(L), capture_layers=aux)
-      n, nxt = verify_chain(out.logits, cand, params, key)
+      with jax.named_scope(SCOPES["verify"]):
+        out = target(tokens, cache=cache.with_lengths(L), capture_layers=aux)
+      with jax.named_scope(SCOPES["accept"]):
+        n, nxt = verify_chain(out.logits, cand, params, key)
       return out.cache, _features(out.hidden), cand.tokens, n, nxt
     parents, depths, ancestors = verify_layout(cand, tree.depth)
     positions = L[:, None] + depths
-    out = target(tokens, positions, cache.with_lengths(L), capture_layers=aux,
-                 tree=TreeMask(start=L, positions=positions, visible=ancestors))
-    n, nxt, path = verify_tree(out.logits, tokens, parents, depths, params, key, tree.depth)
-    return (commit_path(out.cache, L, path), gather_path(_features(out.hidden), path),
-            gather_path(tokens, path)[:, 1:], n, nxt)
+    with jax.named_scope(SCOPES["verify"]):
+      out = target(tokens, positions, cache.with_lengths(L), capture_layers=aux,
+                   tree=TreeMask(start=L, positions=positions, visible=ancestors))
+    with jax.named_scope(SCOPES["accept"]):
+      n, nxt, path = verify_tree(out.logits, tokens, parents, depths, params, key, tree.depth)
+      return (commit_path(out.cache, L, path), gather_path(_features(out.hidden), path),
+              gather_path(tokens, path)[:, 1:], n, nxt)
 
   # Prefill: target over the prompts (features at every position), first token, draft extend.
   out, cache = plain.prefill(target, req, capacity, capture_layers=aux)
@@ -135,20 +153,24 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
 
   def body(carry):
     step, x0, L, result, cand, cache, dcache, stats, key = carry
-    key, k_verify, k_draft = jax.random.split(key, 3)
-    active = ~result.done
+    with jax.named_scope(SCOPES["bookkeeping"]):
+      key, k_verify, k_draft = jax.random.split(key, 3)
+      active = ~result.done
     cache, features, path_tokens, n, nxt = verify(x0, cand, cache, L, k_verify)
-    emitted = jnp.concatenate([path_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
-    emitted = jnp.where(jnp.arange(width + 1)[None, :] == n[:, None], nxt[:, None], emitted)
-    result = stop(result, emitted, n + 1)
-    stats = SpecStats(
-        stats.rounds + active, stats.accepted + jnp.where(active, n + 1, 0),
-        stats.accepted_at + (active[:, None] & (jnp.arange(width)[None, :] < n[:, None])))
-    L_new = jnp.where(active, L + n + 1, L)
-    x0 = jnp.where(active, nxt, x0)
+    with jax.named_scope(SCOPES["bookkeeping"]):
+      emitted = jnp.concatenate([path_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
+      emitted = jnp.where(jnp.arange(width + 1)[None, :] == n[:, None], nxt[:, None], emitted)
+      result = stop(result, emitted, n + 1)
+      stats = SpecStats(
+          stats.rounds + active, stats.accepted + jnp.where(active, n + 1, 0),
+          stats.accepted_at + (active[:, None] & (jnp.arange(width)[None, :] < n[:, None])))
+      L_new = jnp.where(active, L + n + 1, L)
+      x0 = jnp.where(active, nxt, x0)
     # Draft extend over the verified path (token at p+1 = emitted[p - L]); keep row n.
-    dout = draft(emitted, draft.fuse(features), embed, cache=dcache.with_lengths(L), logits_at=n)
-    cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L_new, k_draft)
+    with jax.named_scope(SCOPES["draft_extend"]):
+      dout = draft(emitted, draft.fuse(features), embed, cache=dcache.with_lengths(L), logits_at=n)
+    with jax.named_scope(SCOPES["draft"]):
+      cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L_new, k_draft)
     return step + 1, x0, L_new, result, cand, cache, dcache, stats, key
 
   carry = (1, x0, L, result, cand, cache, dcache, stats, key)

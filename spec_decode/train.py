@@ -161,14 +161,28 @@ class DraftTrainResult:
 def train_draft(target: model_lib.Llama4, dcfg: Eagle3Config, tc: train_lib.TrainConfig,
                 sequences: np.ndarray, workdir: str, *, ttt: TTTConfig = TTTConfig(),
                 d2t: np.ndarray | None = None, progress: bool = True,
-                stop_after: int | None = None) -> DraftTrainResult:
-  """Trains an EAGLE-3 draft on fixed token sequences [N, T] (resumable, see train_loop)."""
+                stop_after: int | None = None,
+                evaluate: Callable[[int, Eagle3Draft], bool] | None = None,
+                eval_every: int = 0, init: Eagle3Draft | None = None) -> DraftTrainResult:
+  """Trains an EAGLE-3 draft on fixed token sequences [N, T] (resumable, see train_loop).
+  `evaluate(step, draft) -> stop` runs every `eval_every` steps on the float32 draft being trained
+  (early stopping on held-out acceptance). `init`: a draft of the same config to continue from
+  (its weights, as float32, replace the random init; a resumed run still restores the workdir)."""
   dcfg.check_target(target.config)
   if sequences.ndim != 2 or sequences.shape[1] < 2:
     raise train_lib.TrainError(f"training sequences must be [N, T>=2], got {sequences.shape}")
   dcfg = dataclasses.replace(dcfg, layer=dcfg.layer.replace(dtype="float32"))
   draft = init_draft(dcfg, seed=tc.seed)
-  if d2t is not None:
+  if init is not None:
+    if init.config.to_dict() | {"layer": None} != dcfg.to_dict() | {"layer": None} or (
+        init.config.layer.replace(dtype="float32") != dcfg.layer):
+      raise train_lib.TrainError(f"the draft to continue from has config {init.config}, not the "
+                                 f"one being trained {dcfg}; drop --init_draft or match its "
+                                 "flags (--mlp_width, --draft_vocab_size)")
+    # Its d2t too: the lm_head rows are tied to the vocabulary map they were trained with.
+    nnx.update(draft, jax.tree.map(lambda x, ref: x.astype(ref.dtype), nnx.state(init),
+                                   nnx.state(draft)))
+  elif d2t is not None:
     draft.d2t[...] = jnp.asarray(d2t, jnp.int32)
   graphdef, params, buffers = nnx.split(draft, nnx.Param, Buffer)
   t_graphdef, t_state = nnx.split(target)
@@ -183,8 +197,11 @@ def train_draft(target: model_lib.Llama4, dcfg: Eagle3Config, tc: train_lib.Trai
     rows = np.random.default_rng([tc.seed, step]).integers(0, len(sequences), tc.batch_size)
     return sequences[rows], t_state  # the frozen target rides along as an input, not a constant
 
+  on_eval = None if evaluate is None else (
+      lambda step, p: evaluate(step, nnx.merge(graphdef, p, buffers)))
   r = train_lib.train_loop(params, loss_fn, batch_fn, tc, workdir, progress=progress,
-                           stop_after=stop_after, postfix=("loss", "acc_0", "acc_1"))
+                           stop_after=stop_after, postfix=("loss", "acc_0", "acc_1"),
+                           evaluate=on_eval, eval_every=eval_every)
   draft = nnx.merge(graphdef, r.params, buffers)
   return DraftTrainResult(draft, r.step, r.history, r.resumed_from, r.seconds)
 

@@ -22,6 +22,7 @@ Shapes are static (depth, top-k, node count), contents are per row. A round:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -184,7 +185,33 @@ def verify_layout(cand: TreeCandidates, max_depth: int):
 def verify_tree(logits_btv, tokens_bt, parents, depths, params, key, max_depth: int):
   """Walks the tree of the verify block. Returns (n [B] accepted draft tokens, next token [B],
   path [B, depth+1] verify-block indices of the root and the accepted nodes; entries past n are 0).
+  When every row is greedy no [B, T, V] distribution is built.
   """
+  walk = lambda fn: functools.partial(fn, max_depth=max_depth)
+  return jax.lax.cond(sampling.any_sampled(params), walk(verify_tree_sampled),
+                      walk(verify_tree_greedy), logits_btv, tokens_bt, parents, depths, params, key)
+
+
+def verify_tree_greedy(logits_btv, tokens_bt, parents, depths, params, key, *, max_depth: int):
+  """The recursive rule for one-hot p: at each level take the child whose token is its parent's
+  argmax (siblings are distinct tokens), then the argmax after the last accepted node."""
+  B, T, _ = logits_btv.shape
+  best = jnp.argmax(logits_btv, axis=-1).astype(jnp.int32)  # [B, T]
+  is_parents_best = tokens_bt == jnp.take_along_axis(best, jnp.clip(parents, 0, T - 1), axis=1)
+  cur = jnp.zeros((B,), jnp.int32)
+  alive = jnp.ones((B,), jnp.bool_)
+  path = [cur]
+  for level in range(1, max_depth + 1):
+    accept = (parents == cur[:, None]) & (depths == level) & is_parents_best
+    hit = alive & jnp.any(accept, axis=1)
+    cur = jnp.where(hit, jnp.argmax(accept, axis=1).astype(jnp.int32), cur)
+    path.append(jnp.where(hit, cur, 0))
+    alive = hit
+  n = jnp.sum(jnp.stack(path[1:], 1) > 0, axis=1).astype(jnp.int32)
+  return n, jnp.take_along_axis(best, cur[:, None], axis=1)[:, 0], jnp.stack(path, 1)
+
+
+def verify_tree_sampled(logits_btv, tokens_bt, parents, depths, params, key, *, max_depth: int):
   B, T, V = logits_btv.shape
   p = target_probabilities(logits_btv, params)  # [B, T, V]
   p_parent = jnp.take_along_axis(p, jnp.clip(parents, 0, T - 1)[:, :, None], axis=1)

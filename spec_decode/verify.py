@@ -47,8 +47,24 @@ def verify_chain(logits_btv: jax.Array, cand: Candidates, params: sampling.Sampl
   """Target logits at [root, c_1..c_K] -> (accepted count n [B] in 0..K, next token [B]).
 
   The next token is the correction sampled from the residual at position n when n < K, or the
-  bonus sampled from p_K when every candidate was accepted.
+  bonus sampled from p_K when every candidate was accepted. When every row is greedy no [B, K, V]
+  distribution is built (a GPU launches each of those ops inside the loop).
   """
+  return jax.lax.cond(sampling.any_sampled(params), verify_chain_sampled, verify_chain_greedy,
+                      logits_btv, cand, params, key)
+
+
+def verify_chain_greedy(logits_btv, cand: Candidates, params, key):
+  """The rejection rule for one-hot p and q: the longest prefix equal to the target's argmax,
+  then the target's argmax after it (the correction, or the bonus when all K match)."""
+  K = cand.tokens.shape[1]
+  best = jnp.argmax(logits_btv, axis=-1).astype(jnp.int32)  # [B, K+1]
+  match = (cand.tokens == best[:, :K]).astype(jnp.int32)
+  n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+  return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
+
+
+def verify_chain_sampled(logits_btv, cand: Candidates, params, key):
   B, K = cand.tokens.shape
   V = logits_btv.shape[-1]
   p = target_probabilities(logits_btv, params)  # [B, K+1, V]
