@@ -7,7 +7,8 @@ Native layout (what we ship):
 EAGLE-3 layout (nvidia/Llama-4-Maverick-17B-128E-Eagle3, SpecForge, SafeAILab/EAGLE): a Llama
 `config.json` plus `model.safetensors` (or shards with an index) holding `fc.weight`,
 `midlayer.*` (or `layers.0.*`), `norm.weight`, `lm_head.weight`, and `d2t`/`t2d` for a reduced
-vocabulary. Spec: /work/shared/research/eagle3_spec.md section 2.
+vocabulary. Spec: /work/shared/research/eagle3_spec.md section 2. Config flags, NVIDIA's
+hf_quant_config.json and the sources each fact was confirmed from: spec_decode/nvidia_eagle3.py.
 
 RoPE layout: EAGLE-3 layers are HF Llama layers, which rotate the pairs (i, i + Dh/2)
 (rotate_half); our Attention rotates the pairs (2i, 2i+1) with the same inv_freq[i]. Import
@@ -40,6 +41,7 @@ from maverick import sharding as sharding_lib
 from maverick.checkpoint import hf, store
 from maverick.checkpoint.hf import CheckpointError, SafetensorsCheckpoint
 from maverick.config import Config, ConfigError
+from spec_decode import nvidia_eagle3
 from spec_decode.draft import (
   DraftConfigError,
   Eagle3Config,
@@ -55,9 +57,6 @@ HF_CONFIG = "config.json"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 # EAGLE-3 checkpoints do not set rope_theta (EAGLE's training ignores it): HF Llama's default.
 DEFAULT_ROPE_THETA = 10000.0
-# Draft-layer variants we do not implement; each is off in standard EAGLE-3 and NVIDIA Maverick.
-_UNSUPPORTED_FLAGS = ("norm_before_residual", "fc_norm", "norm_before_fc", "eh_proj_before_attn",
-                      "return_hidden_post_norm", "norm_output")
 _LAYER_ALIASES = ("layers.0.",)  # speculators / vLLM name for `midlayer.`
 # Integer and bool tensors (d2t, t2d); float weights are read by SafetensorsCheckpoint.read.
 _OTHER_DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "BOOL": np.dtype("u1"),
@@ -229,33 +228,13 @@ def eagle3_config_from_hf(raw: Mapping[str, Any], target_config: Config, *,
                           dtype: str | None = None, where: str = "config.json") -> Eagle3Config:
   """An EAGLE-3 draft config.json (parsed) -> Eagle3Config, checked against the target."""
   eagle = raw.get("eagle_config") or {}
-  if not isinstance(eagle, dict):
-    raise DraftConfigError(f"{where}: eagle_config must be an object, got {eagle!r}")
+  norm_before_residual = nvidia_eagle3.check_flags(raw, where)  # every variant flag, or refuse
+  nvidia_eagle3.check_config_quantization(raw, where)
 
   def get(key, default=None):
     v = raw.get(key)
     return default if v is None else v
 
-  def flag(key, default=False):
-    # Speculators-style configs put some flags top-level, ModelOpt ones under eagle_config.
-    v = raw.get(key, eagle.get(key))
-    if v is None:
-      return default
-    if not isinstance(v, (bool, int)):
-      raise DraftConfigError(f"{where}: {key} must be true or false, got {v!r}")
-    return bool(v)
-
-  if not flag("use_aux_hidden_state", True):
-    raise DraftConfigError(f"{where}: eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 "
-                           "style draft (no fc over target features) is not supported")
-  for key in _UNSUPPORTED_FLAGS:
-    if flag(key):
-      raise DraftConfigError(f"{where}: {key}=true is not supported (standard EAGLE-3 and the "
-                             "NVIDIA Maverick draft leave it off)")
-  for key in ("attention_bias", "mlp_bias"):
-    if flag(key):
-      raise DraftConfigError(f"{where}: {key}=true is not supported (the draft layer has no "
-                             "biases)")
   if get("hidden_act", "silu") != "silu":
     raise DraftConfigError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported "
                            "(EAGLE-3 uses 'silu')")
@@ -313,7 +292,7 @@ def eagle3_config_from_hf(raw: Mapping[str, Any], target_config: Config, *,
                        target_hidden_size=get("target_hidden_size", raw["hidden_size"]),
                        target_vocab_size=raw["vocab_size"],
                        draft_vocab_size=get("draft_vocab_size", raw["vocab_size"]),
-                       aux_layer_ids=tuple(aux))
+                       aux_layer_ids=tuple(aux), norm_before_residual=norm_before_residual)
   except (ConfigError, DraftConfigError) as e:
     raise DraftConfigError(f"{where}: {e}") from None
   except TypeError as e:
@@ -467,6 +446,7 @@ def import_eagle3(path: str, target_config: Config, *, dtype: str | None = None,
   """
   raw, where = _load_hf_config(path)
   cfg = eagle3_config_from_hf(raw, target_config, dtype=dtype, where=where)
+  nvidia_eagle3.check_quant_config(path)
   V, Vd, D = cfg.target_vocab_size, cfg.draft_vocab_size, cfg.hidden_size
   ckpt = SafetensorsCheckpoint(path)
   found = _plan(ckpt, cfg)
@@ -602,7 +582,7 @@ def export_eagle3(draft: Eagle3Draft, out_dir: str, *, model_type: str = "llama"
       "max_position_embeddings": lc.max_position_embeddings, "vocab_size": V,
       "draft_vocab_size": Vd, "target_hidden_size": cfg.target_hidden_size,
       "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-      "norm_before_residual": False, "torch_dtype": lc.dtype,
+      "norm_before_residual": cfg.norm_before_residual, "torch_dtype": lc.dtype,
       "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
                        "use_aux_hidden_state": True},
   }

@@ -5,6 +5,7 @@ Data flow at draft position p (absolute RoPE position p), as in the reference co
                                        pre-norm output a_p ("chain step", no fc)
   x     = [embed_norm(embed(token_{p+1})); hidden_norm(g)]        # 2D wide: q/k/v read it directly
   y     = g + attn(x);  a = y + mlp(post_norm(y))                 # the model's own DecoderLayer
+                                       (norm_before_residual: hidden_norm(g) + attn(x))
   logits = lm_head(final_norm(a)) over the draft vocabulary; target id = i + d2t[i]
 The embedding table is the target's (passed in, never copied). The draft keeps a one-layer KV cache.
 """
@@ -45,6 +46,8 @@ class Eagle3Config:
   target_vocab_size: int
   draft_vocab_size: int
   aux_layer_ids: tuple[int, ...]  # target layers whose OUTPUTS are the features, low to high
+  # vLLM / speculators variant: the residual is hidden_norm(g) instead of g (NVIDIA's head: off).
+  norm_before_residual: bool = False
 
   def __post_init__(self):
     if self.layer.num_hidden_layers != 1:
@@ -102,7 +105,8 @@ class Eagle3Config:
   def to_dict(self) -> dict[str, Any]:
     return {"layer": self.layer.to_dict(), "target_hidden_size": self.target_hidden_size,
             "target_vocab_size": self.target_vocab_size,
-            "draft_vocab_size": self.draft_vocab_size, "aux_layer_ids": list(self.aux_layer_ids)}
+            "draft_vocab_size": self.draft_vocab_size, "aux_layer_ids": list(self.aux_layer_ids),
+            "norm_before_residual": self.norm_before_residual}
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "Eagle3Config":
@@ -149,10 +153,12 @@ class Eagle3Draft(nnx.Module):
     positions_bt, from_zero = token_positions(tokens_bt, positions_bt, cache, prefill, tree)
     g = hidden_btd.astype(self.fc.dtype)
     e = jnp.take(embed_vd, tokens_bt, axis=0).astype(g.dtype)
-    attn_in = jnp.concatenate([self.embed_norm(e), self.hidden_norm(g)], axis=-1)
+    g_normed = self.hidden_norm(g)
+    attn_in = jnp.concatenate([self.embed_norm(e), g_normed], axis=-1)
+    residual = g_normed if self.config.norm_before_residual else g
     layer_cache = None if cache is None else (cache.k[0], cache.v[0])
     lengths = None if cache is None else cache.lengths
-    out, layer_cache = self.layer(g, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
+    out, layer_cache = self.layer(residual, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
                                   positions_from_zero=from_zero, attn_input=attn_in,
                                   attention_fn=attention_fn, tree=tree)
     new_cache = None if cache is None else kvc.KVCache(
