@@ -165,6 +165,18 @@ def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=()):
   return out, out.cache.with_lengths(req.prompt_lengths)
 
 
+def decode_round(model: Llama4, token, cache, result: sampling.Output, key, params, stop):
+  """One decode step of every row: the loop body of `_generate` and of the serving engine
+  (maverick/serving). Done rows commit nothing. stop(result, new [B, M], num_new [B]) appends."""
+  out = model(token[:, None], cache=cache)
+  # Finished rows keep their length: their (ignored) writes stay at one slot.
+  cache = out.cache.with_lengths(jnp.where(result.done, cache.lengths, out.cache.lengths))
+  key, sub = jax.random.split(key)
+  token = sampling.sample(out.logits[:, 0], sub, params)
+  result = stop(result, token[:, None], (~result.done).astype(jnp.int32))
+  return token, cache, result, key
+
+
 def _generate(graphdef: nnx.GraphDef, state: nnx.State, req: Request, *, steps: int,
               capacity: int, pad_id: int):
   model = nnx.merge(graphdef, state)
@@ -183,12 +195,7 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, req: Request, *, steps: 
 
   def body(carry):
     step, token, cache, result, key = carry
-    out = model(token[:, None], cache=cache)
-    # Finished rows keep their length: their (ignored) writes stay at one slot.
-    cache = out.cache.with_lengths(jnp.where(result.done, cache.lengths, out.cache.lengths))
-    key, sub = jax.random.split(key)
-    token = sampling.sample(out.logits[:, 0], sub, req.sampling)
-    result = stop(result, token[:, None], (~result.done).astype(jnp.int32))
+    token, cache, result, key = decode_round(model, token, cache, result, key, req.sampling, stop)
     return step + 1, token, cache, result, key
 
   _, _, _, result, _ = jax.lax.while_loop(cond, body, (1, token, cache, result, key))

@@ -91,17 +91,15 @@ def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, pa
   return Candidates(tokens, probs, chain_parents(k)), dcache
 
 
-def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Request, *, k: int,
-                   steps: int, capacity: int, pad_id: int, tree: TreeShape | None = None):
-  target: Llama4 = nnx.merge(tgt_graphdef, tgt_state)
-  draft: Eagle3Draft = nnx.merge(dr_graphdef, dr_state)
+def round_fns(target: Llama4, draft: Eagle3Draft, params: sampling.SamplingParams, stop_ids,
+              max_tokens, pad_id: int, *, k: int | None, tree: TreeShape | None):
+  """(propose, body) of a speculative round, shared by `_spec_generate` and the serving engine
+  (maverick/serving). body maps the carry (step, x0, L, result, cand, cache, dcache, stats, key)
+  to the next round's; rows stop on stop_ids [B, n] / max_tokens [B]. Done rows commit nothing."""
+  stop = lambda out, new, n: sampling.append(out, new, n, stop_ids, max_tokens, pad_id)
   aux = draft.config.aux_layer_ids
   V = target.config.vocab_size
-  B, Tp = req.prompt.shape
-  params = req.sampling
   embed = target.embed[...]
-  key = jax.random.key(req.seed)
-  stop = lambda out, new, n: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens, pad_id)
   width = k if tree is None else tree.depth  # draft tokens on one accepted path
 
   def propose(logits, hidden, dcache, committed, key):
@@ -130,29 +128,9 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
       return (commit_path(out.cache, L, path), gather_path(_features(out.hidden), path),
               gather_path(tokens, path)[:, 1:], n, nxt)
 
-  # Prefill: target over the prompts (features at every position), first token, draft extend.
-  out, cache = plain.prefill(target, req, capacity, capture_layers=aux)
-  key, k_first, k_draft = jax.random.split(key, 3)
-  x0 = sampling.sample(out.logits, k_first, params)
-  result = stop(sampling.init_output(B, steps, width + 1, pad_id), x0[:, None],
-                jnp.ones((B,), jnp.int32))
-  L = req.prompt_lengths
-  # Draft position p pairs the target feature at p with the token at p+1.
-  shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-  shifted = jnp.where(jnp.arange(Tp)[None, :] == (L - 1)[:, None], x0[:, None], shifted)
-  dcache = sharding.constrain_cache(draft.init_cache(B, capacity), sharding.plan_of(draft))
-  dout = draft(shifted, draft.fuse(_features(out.hidden)), embed, cache=dcache, prefill=True,
-               logits_at=L - 1)
-  cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L, k_draft)
-  stats = SpecStats(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
-                    jnp.zeros((B, width), jnp.int32))
-
-  def cond(carry):
-    step, result = carry[0], carry[3]
-    return (step < steps) & ~jnp.all(result.done)
-
   def body(carry):
     step, x0, L, result, cand, cache, dcache, stats, key = carry
+    B = x0.shape[0]
     with jax.named_scope(SCOPES["bookkeeping"]):
       key, k_verify, k_draft = jax.random.split(key, 3)
       active = ~result.done
@@ -172,6 +150,54 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
     with jax.named_scope(SCOPES["draft"]):
       cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L_new, k_draft)
     return step + 1, x0, L_new, result, cand, cache, dcache, stats, key
+
+  return propose, body
+
+
+def spec_prefill(target: Llama4, draft: Eagle3Draft, propose, req: plain.Request, capacity: int,
+                 keys, result: sampling.Output, stop, width: int):
+  """Target prefill, first token (appended to the empty `result`), draft prefill and the first
+  candidates; keys = (first token's, first draft's). Returns the round carry without step and key:
+  (x0, L, result, cand, cache, dcache, stats)."""
+  aux = draft.config.aux_layer_ids
+  B, Tp = req.prompt.shape
+  params = req.sampling
+  embed = target.embed[...]
+  out, cache = plain.prefill(target, req, capacity, capture_layers=aux)
+  k_first, k_draft = keys
+  x0 = sampling.sample(out.logits, k_first, params)
+  result = stop(result, x0[:, None], jnp.ones((B,), jnp.int32))
+  L = req.prompt_lengths
+  # Draft position p pairs the target feature at p with the token at p+1.
+  shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+  shifted = jnp.where(jnp.arange(Tp)[None, :] == (L - 1)[:, None], x0[:, None], shifted)
+  dcache = sharding.constrain_cache(draft.init_cache(B, capacity), sharding.plan_of(draft))
+  dout = draft(shifted, draft.fuse(_features(out.hidden)), embed, cache=dcache, prefill=True,
+               logits_at=L - 1)
+  cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L, k_draft)
+  stats = SpecStats(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
+                    jnp.zeros((B, width), jnp.int32))
+  return x0, L, result, cand, cache, dcache, stats
+
+
+def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Request, *, k: int,
+                   steps: int, capacity: int, pad_id: int, tree: TreeShape | None = None):
+  target: Llama4 = nnx.merge(tgt_graphdef, tgt_state)
+  draft: Eagle3Draft = nnx.merge(dr_graphdef, dr_state)
+  B = req.prompt.shape[0]
+  key = jax.random.key(req.seed)
+  stop = lambda out, new, n: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens, pad_id)
+  width = k if tree is None else tree.depth  # draft tokens on one accepted path
+  propose, body = round_fns(target, draft, req.sampling, req.stop_ids, req.max_new_tokens, pad_id,
+                            k=k, tree=tree)
+  key, k_first, k_draft = jax.random.split(key, 3)
+  x0, L, result, cand, cache, dcache, stats = spec_prefill(
+      target, draft, propose, req, capacity, (k_first, k_draft),
+      sampling.init_output(B, steps, width + 1, pad_id), stop, width)
+
+  def cond(carry):
+    step, result = carry[0], carry[3]
+    return (step < steps) & ~jnp.all(result.done)
 
   carry = (1, x0, L, result, cand, cache, dcache, stats, key)
   carry = jax.lax.while_loop(cond, body, carry)
