@@ -1,0 +1,412 @@
+"""Continuous-batching engine: a fixed set of slots, one jitted device call per engine step.
+
+The batch is `slots` rows of a preallocated KV cache (and draft cache for speculative decoding).
+Every per-request value lives in device arrays with a batch axis (cache rows, lengths, last token,
+sampling parameters, stop ids, token limit, output buffer, done flag), so admitting a request or
+changing its parameters never recompiles:
+
+  - `insert` (jitted, one program per prompt-length bucket) prefills one bucketed prompt into a
+    fresh one-row cache, samples its first token (and, speculative, prefills the draft and drafts
+    the first candidates) and writes that row into slot `slot` of the state (a traced index);
+  - `step` (jitted, one program) runs up to `rounds` decode steps or speculative rounds for all
+    slots in a `lax.while_loop` that leaves as soon as a slot finishes, and returns the tokens each
+    slot produced since the last step (a [slots, W] window) with counts and done flags.
+
+The loop bodies are `maverick.generate.decode_round` and `spec_decode.speculative.round_fns`,
+the same code `maverick.generate` and `spec_decode.generate` run. Free slots are rows marked done:
+they compute (fixed shapes) but commit nothing.
+
+The host loop (a background thread) dispatches step t+1 before it reads step t's results, so the
+device always has the next call queued; between calls it admits waiting requests into free slots
+and releases cancelled ones (a traced mask of the next step). Nothing inside a call goes back to
+the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maverick import generate as plain
+from maverick import kernels as kernels_lib
+from maverick import sampling
+from maverick import sharding
+
+DEFAULT_ROUNDS = 8
+
+
+@dataclasses.dataclass
+class Event:
+  """What the engine reports for one request after a step: its new tokens (possibly none)."""
+  tokens: list[int]
+  done: bool
+  finish_reason: str | None = None  # "stop" (a stop token) or "length" when done
+  time: float = 0.0  # time.perf_counter() when the host read the step's results
+  rounds: int = 0  # speculative: verify rounds so far
+  accepted: int = 0  # speculative: tokens committed by those rounds
+
+
+@dataclasses.dataclass(eq=False)
+class Handle:
+  """A submitted request. `callback(event)` runs on the engine thread."""
+  id: int
+  prompt: list[int]
+  max_tokens: int
+  stop_ids: frozenset
+  callback: Callable[[Event], None]
+  params: sampling.SamplingParams
+  stop_row: np.ndarray
+  seed: int
+  submitted: float = 0.0
+  admitted: float | None = None
+  num_tokens: int = 0
+  finished: bool = False
+  cancelled: bool = False
+
+
+class Engine:
+  """Serves token-id requests from a background thread; see the module docstring.
+
+  model: a maverick Llama4 (sharded or not); draft: an EAGLE-3 draft for speculative rounds
+  (k draft tokens per round, or tree drafting with `tree`), None for plain decoding.
+  slots: the batch. max_seq_len: prompt + generated tokens per slot (the cache rows hold that plus
+  a speculative round's slack). rounds: decode steps / speculative rounds per device call at most.
+  """
+
+  def __init__(self, model, draft=None, *, k: int = 3, tree=None, slots: int = 8,
+               max_seq_len: int = 512, rounds: int = DEFAULT_ROUNDS,
+               stop_tokens: Sequence[int] | None = None, max_stop_ids: int = 8,
+               pad_id: int | None = None, min_bucket: int = plain.MIN_BUCKET):
+    cfg = model.config
+    if slots < 1 or rounds < 1:
+      raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
+    if not 2 <= max_seq_len <= cfg.max_position_embeddings:
+      raise ValueError(f"max_seq_len must be in [2, {cfg.max_position_embeddings}] (the model's "
+                       f"context), got {max_seq_len}")
+    self.model, self.draft, self.config = model, draft, cfg
+    self.tree = tree
+    if draft is None:
+      self.k, self.width, slack = 0, 0, 1
+    elif tree is not None:
+      tree.check_draft_vocab(draft.config.draft_vocab_size)
+      self.k, self.width, slack = None, tree.depth, tree.cache_slack
+    else:
+      draft.config.check_target(cfg)
+      self.k, self.width, slack = int(k), int(k), int(k) + 1
+    self.slots, self.max_seq_len, self.rounds = slots, max_seq_len, rounds
+    self.capacity = kernels_lib.cache_capacity(max_seq_len + slack, model,
+                                               *([draft] if draft is not None else []))
+    self.pad_id = plain.resolve_pad_id(cfg, pad_id)
+    self.default_stop = list(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
+    self.max_stop_ids = max(max_stop_ids, len(self.default_stop))
+    self.window = rounds * (self.width + 1) + 1  # tokens a slot can produce in one step (+ insert)
+    self.buckets = []
+    b = min_bucket
+    while b < max_seq_len:
+      self.buckets.append(b)
+      b *= 2
+    self.buckets.append(max_seq_len)
+    self.plan = sharding.plan_of(model)
+    self._graphdefs, self._states = [], []
+    for m in (model,) + ((draft,) if draft is not None else ()):
+      g, s = nnx.split(m)
+      self._graphdefs.append(g)
+      self._states.append(s)
+    self._graphdefs = tuple(self._graphdefs)
+    self._exes: dict = {}
+    self._slots_state = None
+    self._owner: list[Handle | None] = [None] * slots
+    self._waiting: queue.SimpleQueue = queue.SimpleQueue()
+    self._wake = threading.Event()
+    self._ids = itertools.count()
+    self._thread: threading.Thread | None = None
+    self._stop = False
+    self.error: BaseException | None = None
+    self.steps = 0  # device steps dispatched
+    self.released = 0  # slots freed by a cancellation (a client gone, a stop string)
+    self.finished = 0  # requests that ran to a stop token or their limit
+    self.spec_rounds = self.spec_accepted = 0  # over finished requests: acceptance length
+
+  # ---------------------------------------------------------------------------------------------
+  # Device programs
+  # ---------------------------------------------------------------------------------------------
+  def _models(self, states):
+    models = [nnx.merge(g, s) for g, s in zip(self._graphdefs, states)]
+    return models[0], (models[1] if len(models) > 1 else None)
+
+  def _constrain(self, rows: dict) -> dict:
+    rows = dict(rows)
+    rows["cache"] = sharding.constrain_cache(rows["cache"], self.plan)
+    if "dcache" in rows:
+      rows["dcache"] = sharding.constrain_cache(rows["dcache"], sharding.plan_of(self.draft))
+    return rows
+
+  def _new_row(self, states, prompt, length, params, stop_ids, max_tokens, seed):
+    """One request's row (batch 1): prefill, first token, (draft prefill and candidates)."""
+    target, draft = self._models(states)
+    req = plain.Request(prompt=prompt, prompt_lengths=length, max_new_tokens=max_tokens,
+                        stop_ids=stop_ids, seed=seed, sampling=params)
+    cols = self.max_seq_len + self.window
+    result = sampling.init_output(1, cols - (self.width + 1), self.width + 1, self.pad_id)
+    stop = lambda out, new, n: sampling.append(out, new, n, stop_ids, max_tokens, self.pad_id)
+    key = jax.random.key(seed)
+    row = dict(params=params, stop_ids=stop_ids, max_tokens=max_tokens,
+               emitted=jnp.zeros((1,), jnp.int32))
+    if draft is None:
+      out, cache = plain.prefill(target, req, self.capacity)
+      _, sub = jax.random.split(key)  # as maverick.generate draws the first token
+      token = sampling.sample(out.logits, sub, params)
+      result = stop(result, token[:, None], jnp.ones((1,), jnp.int32))
+      return dict(row, token=token, cache=cache, result=result)
+    from spec_decode import speculative as spec
+    propose, _ = spec.round_fns(target, draft, params, stop_ids, max_tokens, self.pad_id,
+                                k=self.k, tree=self.tree)
+    _, k_first, k_draft = jax.random.split(key, 3)  # as spec_decode.generate
+    x0, L, result, cand, cache, dcache, stats = spec.spec_prefill(
+        target, draft, propose, req, self.capacity, (k_first, k_draft), result, stop, self.width)
+    return dict(row, x0=x0, L=L, result=result, cand=cand, cache=cache, dcache=dcache,
+                stats=stats)
+
+  def _init(self, states):
+    """All-free slots: every row done, lengths 0."""
+    B = self.slots
+    params = sampling.SamplingParams(jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.int32),
+                                     jnp.ones((1,), jnp.float32))
+    row = jax.eval_shape(
+        self._new_row, states, jnp.zeros((1, self.buckets[0]), jnp.int32),
+        jnp.ones((1,), jnp.int32), params, jnp.zeros((1, self.max_stop_ids), jnp.int32),
+        jnp.ones((1,), jnp.int32), jnp.zeros((), jnp.uint32))
+    rows = jax.tree.map(lambda s: jnp.zeros((B,) + s.shape[1:] if s.ndim and s.shape[0] == 1
+                                            else s.shape, s.dtype), row)
+    rows["result"] = dataclasses.replace(rows["result"], done=jnp.ones((B,), bool))
+    rows["stop_ids"] = jnp.full_like(rows["stop_ids"], plain.NO_STOP)
+    return self._constrain(rows), jax.random.key(0)
+
+  def _insert(self, states, rows, key, slot, prompt, length, params, stop_ids, max_tokens, seed):
+    new = self._new_row(states, prompt, length, params, stop_ids, max_tokens, seed)
+    B = self.slots
+
+    def put(big, small):
+      if big.ndim and big.shape[0] == B and small.shape == (1,) + big.shape[1:]:
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
+      return small  # not a per-row leaf (a chain's parents [K]): the same for every request
+
+    return self._constrain(jax.tree.map(put, rows, new)), key
+
+  def _step(self, states, rows, key, release):
+    target, draft = self._models(states)
+    rows = self._constrain(rows)
+    result = rows["result"]
+    result = dataclasses.replace(result, done=result.done | release)
+    done0 = result.done
+    stop = lambda out, new, n: sampling.append(out, new, n, rows["stop_ids"], rows["max_tokens"],
+                                               self.pad_id)
+
+    def cond(carry):
+      step, result = carry[0], carry[3]
+      return (step < self.rounds) & ~jnp.any(result.done & ~done0) & ~jnp.all(result.done)
+
+    if draft is None:
+      def body(carry):
+        step, token, cache, result, key = carry
+        token, cache, result, key = plain.decode_round(target, token, cache, result, key,
+                                                       rows["params"], stop)
+        return step + 1, token, cache, result, key
+      carry = (0, rows["token"], rows["cache"], result, key)
+      _, token, cache, result, key = jax.lax.while_loop(cond, body, carry)
+      rows = dict(rows, token=token, cache=cache, result=result)
+    else:
+      from spec_decode import speculative as spec
+      _, body = spec.round_fns(target, draft, rows["params"], rows["stop_ids"], rows["max_tokens"],
+                               self.pad_id, k=self.k, tree=self.tree)
+      carry = (0, rows["x0"], rows["L"], result, rows["cand"], rows["cache"], rows["dcache"],
+               rows["stats"], key)
+      _, x0, L, result, cand, cache, dcache, stats, key = jax.lax.while_loop(cond, body, carry)
+      rows = dict(rows, x0=x0, L=L, result=result, cand=cand, cache=cache, dcache=dcache,
+                  stats=stats)
+    take = lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, self.window)
+    window = jax.vmap(take)(result.tokens, rows["emitted"])
+    num_new = result.num_tokens - rows["emitted"]
+    rows["emitted"] = result.num_tokens
+    report = dict(window=window, num_new=num_new, done=result.done)
+    if draft is not None:
+      report.update(rounds=rows["stats"].rounds, accepted=rows["stats"].accepted)
+    return self._constrain(rows), key, report
+
+  def compile(self, progress: Callable[[str], None] | None = None) -> float:
+    """Compiles the step and every prompt bucket's insert; returns the seconds it took."""
+    start = time.perf_counter()
+    note = progress or (lambda what: None)
+    note("init")
+    self._slots_state = jax.jit(self._init)(self._states)
+    rows, key = self._slots_state
+    release = jax.device_put(np.zeros((self.slots,), bool))
+    note("step")
+    self._exes["step"] = jax.jit(self._step, donate_argnums=(1,)).lower(
+        self._states, rows, key, release).compile()
+    insert = jax.jit(self._insert, donate_argnums=(1,))
+    for b in self.buckets:
+      note(f"prefill bucket {b}")
+      args = self._host_args(0, [0] * b, sampling.SamplingParams.create(1), self.default_stop, 1, 0)
+      self._exes[b] = insert.lower(self._states, rows, key, *args).compile()
+    return time.perf_counter() - start
+
+  def _host_args(self, slot, prompt, params, stop_ids, max_tokens, seed):
+    b = self.bucket(len(prompt))
+    padded = np.zeros((1, b), np.int32)
+    padded[0, :len(prompt)] = prompt
+    stop = np.full((1, self.max_stop_ids), plain.NO_STOP, np.int32)
+    stop[0, :len(stop_ids)] = stop_ids
+    put = jax.device_put
+    return (put(np.int32(slot)), put(padded), put(np.array([len(prompt)], np.int32)), params,
+            put(stop), put(np.array([max_tokens], np.int32)), put(np.uint32(seed)))
+
+  def bucket(self, n: int) -> int:
+    return next(b for b in self.buckets if b >= n)
+
+  # ---------------------------------------------------------------------------------------------
+  # Host side
+  # ---------------------------------------------------------------------------------------------
+  def submit(self, prompt: Sequence[int], callback: Callable[[Event], None], *,
+             max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int = 0, stop_tokens: Sequence[int] | None = None) -> Handle:
+    """Validates and queues a request (ValueError, before it touches a slot, when it cannot run)."""
+    cfg = self.config
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+      raise ValueError("the prompt is empty: it needs at least one token")
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
+                       f"{cfg.vocab_size})")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
+        or max_tokens < 1:
+      raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if len(prompt) + max_tokens > self.max_seq_len:
+      raise ValueError(f"the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "
+                       f"{len(prompt) + max_tokens} is past this server's context of "
+                       f"{self.max_seq_len} tokens; lower max_tokens to at most "
+                       f"{max(self.max_seq_len - len(prompt), 0)} or shorten the prompt")
+    if not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**32):
+      raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    stop_ids = self.default_stop if stop_tokens is None else list(stop_tokens)
+    stop_row = plain._stop_matrix(cfg, 1, stop_ids)[0]
+    if len(stop_ids) > self.max_stop_ids:
+      raise ValueError(f"at most {self.max_stop_ids} stop token ids per request, got "
+                       f"{len(stop_ids)}")
+    params = sampling.SamplingParams.create(1, temperature, top_k, top_p)  # validates
+    h = Handle(id=next(self._ids), prompt=prompt, max_tokens=int(max_tokens),
+               stop_ids=frozenset(int(t) for t in stop_row if t != plain.NO_STOP),
+               callback=callback, params=params, stop_row=stop_row, seed=int(seed),
+               submitted=time.perf_counter())
+    self._waiting.put(h)
+    self._wake.set()
+    return h
+
+  def cancel(self, handle: Handle) -> None:
+    """Stops a request: no more events; its slot is freed at the next step."""
+    handle.cancelled = True
+    self._wake.set()
+
+  def start(self) -> None:
+    if self._slots_state is None:
+      self.compile()
+    self._thread = threading.Thread(target=self._run, name="maverick-engine", daemon=True)
+    self._thread.start()
+
+  def shutdown(self, timeout: float = 30.0) -> None:
+    self._stop = True
+    self._wake.set()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  @property
+  def active(self) -> int:
+    return sum(h is not None for h in self._owner)
+
+  def _run(self) -> None:
+    try:
+      self._loop()
+    except BaseException as e:  # noqa: BLE001  (reported to every open request)
+      self.error = e
+      for h in self._owner:
+        if h is not None and not h.finished:
+          h.finished = True
+          h.callback(Event([], True, "error", time.perf_counter()))
+
+  def _loop(self) -> None:
+    pending = None
+    while not self._stop:
+      release = np.zeros((self.slots,), bool)
+      for b, h in enumerate(self._owner):
+        if h is not None and h.cancelled:
+          self._owner[b], release[b] = None, True
+          self.released += 1
+      self._admit(release)
+      if self.active:
+        rows, key = self._slots_state
+        rows, key, report = self._exes["step"](self._states, rows, key, jax.device_put(release))
+        self._slots_state = rows, key
+        self.steps += 1
+        current = (report, list(self._owner))
+      else:
+        current = None
+      if pending is not None:
+        self._process(*pending)  # step t's results while step t+1 runs
+      pending = current
+      if pending is None:
+        self._wake.wait(0.05)
+        self._wake.clear()
+
+  def _admit(self, release: np.ndarray) -> None:
+    for b in range(self.slots):
+      if self._owner[b] is not None:
+        continue
+      h = None
+      while not self._waiting.empty():
+        h = self._waiting.get()
+        if not h.cancelled:
+          break
+        h = None
+      if h is None:
+        return
+      rows, key = self._slots_state
+      exe = self._exes[self.bucket(len(h.prompt))]
+      args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens, h.seed)
+      self._slots_state = exe(self._states, rows, key, *args)
+      self._owner[b], release[b] = h, False
+      h.admitted = time.perf_counter()
+
+  def _process(self, report, owners) -> None:
+    report = jax.tree.map(sharding.to_host, report)
+    now = time.perf_counter()
+    for b, h in enumerate(owners):
+      if h is None or h.finished or h.cancelled:
+        continue
+      n = int(report["num_new"][b])
+      done = bool(report["done"][b])
+      tokens = report["window"][b, :n].tolist()
+      h.num_tokens += n
+      reason = None
+      if done:
+        h.finished = True
+        self.finished += 1
+        if "rounds" in report:
+          self.spec_rounds += int(report["rounds"][b])
+          self.spec_accepted += int(report["accepted"][b])
+        reason = "stop" if tokens and tokens[-1] in h.stop_ids else "length"
+        if self._owner[b] is h:
+          self._owner[b] = None
+      if n or done:
+        h.callback(Event(tokens, done, reason, now,
+                         int(report["rounds"][b]) if "rounds" in report else 0,
+                         int(report["accepted"][b]) if "accepted" in report else 0))
