@@ -1,0 +1,149 @@
+"""OpenAI-compatible server: continuous batching with EAGLE-3 speculative decoding.
+
+Examples:
+  python scripts/serve.py                                  # embedded model + draft, port 8000
+  python scripts/serve.py --checkpoint /ckpt/maverick --draft /ckpt/eagle3 --mesh tensor=8 \\
+      --slots 32 --max_seq_len 4096 --spec_k 3
+  python scripts/serve.py --spec_k 0                       # plain decoding
+Then: curl localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 32}'
+  or  openai.OpenAI(base_url="http://localhost:8000/v1", api_key="none").completions.create(...)
+
+Compiles the step and every prompt-length bucket at start-up (progress on stderr); GET /health
+returns 503 until then, 200 after. Needs the serve extra: pip install 'maverick-jax[serve]'.
+"""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from maverick import gpu_flags  # noqa: E402  (after the sys.path line)
+
+gpu_flags.configure()  # before anything starts a jax backend (XLA reads XLA_FLAGS once)
+
+from maverick import cli  # noqa: E402
+from maverick import mesh_flags  # noqa: E402  (defines --mesh, --layout, multi-host flags)
+
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", "tiny", "'tiny' (the embedded model), a converted checkpoint, a Hugging Face "
+    "Llama 4 directory or repo id, or random:<preset> (as scripts/generate.py).")
+_DRAFT = flags.DEFINE_string(
+    "draft", None, "EAGLE-3 draft head (as scripts/generate.py). Default: the embedded draft for "
+    "the embedded model, else none (plain decoding).")
+_SPEC_K = flags.DEFINE_integer("spec_k", 3, "Draft tokens per speculative round (0 = plain).")
+_TREE_DEPTH = flags.DEFINE_integer("tree_depth", None, "EAGLE-2 tree drafting: levels (with "
+                                   "--tree_topk, --tree_nodes; replaces --spec_k).")
+_TREE_TOPK = flags.DEFINE_integer("tree_topk", None, "Tree drafting: children per expanded node.")
+_TREE_NODES = flags.DEFINE_integer("tree_nodes", None, "Tree drafting: nodes verified per round.")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
+                           "Compute/parameter dtype. Default: the checkpoint's.")
+_KERNELS = cli.define_kernels_flag()
+_CHECK_FINITE = cli.define_check_finite_flag()
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: all).")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_SLOTS = flags.DEFINE_integer("slots", 8, "Concurrent requests on the device (the batch).")
+_MAX_SEQ_LEN = flags.DEFINE_integer(
+    "max_seq_len", None, "Prompt + generated tokens per request. Default: min(model context, 2048).")
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 8, "Decode steps / speculative rounds per device call at most (a call also ends when "
+    "a request finishes): more = less host overhead, fewer = faster admission and streaming.")
+_MIN_BUCKET = flags.DEFINE_integer("min_bucket", 16, "Smallest prompt-length bucket (powers of "
+                                   "two from it up to --max_seq_len are compiled at start-up).")
+_NAME = flags.DEFINE_string("served_model_name", None, "Model id in the API (default: the "
+                            "--checkpoint value).")
+
+
+def _tree_shape():
+  values = (_TREE_DEPTH.value, _TREE_TOPK.value, _TREE_NODES.value)
+  if all(v is None for v in values):
+    return None
+  if any(v is None for v in values):
+    raise ValueError("tree drafting needs all of --tree_depth, --tree_topk and --tree_nodes")
+  from spec_decode import TreeShape
+  return TreeShape(*values)
+
+
+def build_server():
+  """Loads the model (and draft) and builds the engine and the app's state from the flags."""
+  import maverick
+  import spec_decode
+  from maverick import sharding
+  from maverick import kernels as kernels_lib
+  from maverick.serving.engine import Engine
+  from maverick.serving.server import Server
+
+  mesh = mesh_flags.mesh_from_flags()
+  loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, mesh=mesh,
+                         layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),
+                         check_finite=_CHECK_FINITE.value)
+  if loaded.tokenizer is None:
+    raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json; the server needs one")
+  if _SPEC_K.value < 0:
+    raise ValueError(f"--spec_k must be >= 0 (0 = plain decoding), got {_SPEC_K.value}")
+  tree = _tree_shape()
+  draft = None
+  if _SPEC_K.value > 0 or tree is not None:
+    source = _DRAFT.value or (_CHECKPOINT.value if _CHECKPOINT.value in spec_decode.EMBEDDED_DRAFTS
+                              else None)
+    if source is not None:
+      draft = spec_decode.load_draft(source, loaded.model)
+      if mesh is not None:
+        draft = sharding.shard_model(draft, mesh, mesh_flags.LAYOUT.value)
+      kernels_lib.set_kernels(draft, cli.kernels_value(_KERNELS))
+  context = loaded.config.max_position_embeddings
+  engine = Engine(loaded.model, draft, k=_SPEC_K.value, tree=tree, slots=_SLOTS.value,
+                  max_seq_len=_MAX_SEQ_LEN.value or min(context, 2048), rounds=_ROUNDS.value,
+                  stop_tokens=loaded.stop_tokens, min_bucket=_MIN_BUCKET.value)
+  return Server(engine, loaded.tokenizer, _NAME.value or _CHECKPOINT.value)
+
+
+def main(argv):
+  try:
+    cli.start(argv)
+  except cli.UsageError as e:
+    return cli.fail("serve", e)
+  try:
+    import uvicorn
+    from maverick.serving.server import create_app, start_compiling
+  except ImportError as e:
+    return cli.fail("serve", f"{e}: install the serve extra: pip install 'maverick-jax[serve]'")
+  from maverick.checkpoint import CheckpointError
+  from maverick.config import ConfigError
+  from maverick import sharding
+  from spec_decode.draft import DraftConfigError
+  from tqdm import tqdm
+
+  try:
+    server = build_server()
+  except (ValueError, FileNotFoundError, CheckpointError, ConfigError, DraftConfigError,
+          NotImplementedError, sharding.ShardingError) as e:
+    return cli.fail("serve", e)
+  eng = server.engine
+  mode = ("plain decoding" if eng.draft is None else
+          f"tree {eng.tree}" if eng.tree is not None else f"speculative K={eng.k}")
+  bar = tqdm(total=len(eng.buckets) + 2, desc="compiling", unit="program", file=sys.stderr)
+
+  def progress(what):
+    if bar.n or getattr(progress, "started", False):
+      bar.update(1)
+    progress.started = True
+    if what is not None:
+      bar.set_postfix_str(what)
+      return
+    bar.close()
+    print(f"serve: ready on http://{_HOST.value}:{_PORT.value}/v1 ({server.model_name}, {mode}, "
+          f"{eng.slots} slots x {eng.max_seq_len} tokens, compiled in "
+          f"{server.compile_seconds:.1f} s)", file=sys.stderr, flush=True)
+
+  start_compiling(server, progress)
+  app_ = create_app(server)
+  uvicorn.run(app_, host=_HOST.value, port=_PORT.value, log_level="warning")
+  eng.shutdown()
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)
