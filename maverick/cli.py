@@ -9,16 +9,60 @@ from absl import flags
 from absl import logging
 
 
+def default_cache_root() -> str:
+  """$MAVERICK_CACHE_DIR, else $XDG_CACHE_HOME/maverick-jax, else ~/.cache/maverick-jax (the
+  kernel self-check results live there too, pallas_kernels/selfcheck.py)."""
+  root = os.environ.get("MAVERICK_CACHE_DIR")
+  if not root:
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                        "maverick-jax")
+  return root
+
+
+def default_compile_cache_dir() -> str:
+  """JAX_COMPILATION_CACHE_DIR when set (JAX's own variable wins), else <cache root>/jax_compile."""
+  return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(default_cache_root(),
+                                                                     "jax_compile")
+
+
+# Every script that imports this module gets --compile_cache_dir; `start` applies it.
+COMPILE_CACHE_DIR = flags.DEFINE_string(
+    "compile_cache_dir", None,
+    "JAX's persistent compilation cache: compiled programs are saved here and a later run with the "
+    "same shapes loads them instead of compiling. Default: $JAX_COMPILATION_CACHE_DIR, else "
+    "$MAVERICK_CACHE_DIR/jax_compile, else ~/.cache/maverick-jax/jax_compile. Empty = off.")
+
+
+def enable_compile_cache(path: str | None) -> str | None:
+  """Turns JAX's on-disk compilation cache on at `path` (None: the default, "": off). Every
+  program is cached, however quick to compile: on a small model most compiles take under the
+  1 s JAX caches by default. Returns the directory used, or None when off."""
+  import jax  # noqa: PLC0415  (late: --help stays instant)
+  path = default_compile_cache_dir() if path is None else path
+  if not path:
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
+  path = os.path.expanduser(path)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
 class UsageError(ValueError):
   """A user mistake on the command line: reported in one line, without a traceback."""
 
 
 def start(argv) -> None:
-  """Quiets absl/orbax INFO logs unless -v/--verbosity was given; rejects positional arguments."""
+  """Quiets absl/orbax INFO logs unless -v/--verbosity was given; rejects positional arguments;
+  turns on the persistent compilation cache (--compile_cache_dir)."""
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise UsageError(f"unexpected arguments {argv[1:]}; all options are --flags (see --help)")
+  enable_compile_cache(COMPILE_CACHE_DIR.value)
 
 
 def fail(prog: str, error: BaseException | str) -> int:

@@ -23,6 +23,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("MAVERICK_TE
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
+# Scripts keep their compilation cache and kernel self-check results under MAVERICK_CACHE_DIR
+# (default ~/.cache/maverick-jax): tests never write to the user's home.
+if "MAVERICK_CACHE_DIR" not in os.environ:
+  _home = tempfile.mkdtemp(prefix="maverick-tests-cache-")
+  os.environ["MAVERICK_CACHE_DIR"] = _home
+  atexit.register(shutil.rmtree, _home, ignore_errors=True)
+
 import numpy as np
 import pytest
 
