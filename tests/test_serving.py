@@ -1,0 +1,227 @@
+"""scripts/serve.py end to end: a real server subprocess (embedded model + draft, K=3) and the
+official `openai` client. Every wait is bounded in count and time."""
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import maverick  # noqa: E402
+from param_utils import single_device_env  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MAX_SEQ_LEN = 64
+SLOTS = 4
+START_TIMEOUT_S = 600  # load + compile the step and 3 prefill buckets on a slow, shared CPU
+REQUEST_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  port = _free_port()
+  log = tmp_path_factory.mktemp("serve") / "server.log"
+  env = single_device_env()
+  env.setdefault("MAVERICK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+  with open(log, "w") as out:
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "serve.py"), f"--port={port}", "--spec_k=3",
+         f"--slots={SLOTS}", f"--max_seq_len={MAX_SEQ_LEN}", "--rounds=2", "--min_bucket=16"],
+        cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+  base = f"http://127.0.0.1:{port}"
+  try:
+    deadline, status = time.monotonic() + START_TIMEOUT_S, None
+    while time.monotonic() < deadline and proc.poll() is None:
+      try:
+        r = httpx.get(f"{base}/health", timeout=5)
+        status = r.status_code
+        if status == 200:
+          break
+        assert status == 503 and r.json()["status"] == "starting"  # not ready while compiling
+      except httpx.TransportError:
+        pass
+      time.sleep(1)
+    assert status == 200, f"server not ready (exit {proc.poll()}):\n{log.read_text()[-3000:]}"
+    yield base
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(30)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S,
+                       max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+  return maverick.load("tiny")
+
+
+def test_models_and_health(server, client):
+  assert [m.id for m in client.models.list().data] == ["tiny"]
+  h = httpx.get(f"{server}/health", timeout=10).json()
+  assert h["status"] == "ok" and h["slots"] == SLOTS
+
+
+def test_sixteen_concurrent_requests(client, loaded):
+  """Greedy and sampled, chat and completion, streaming and not, different lengths and stop
+  sequences, all at once; greedy token-id completions equal maverick.generate's."""
+  tok = loaded.tokenizer
+  texts = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(10):",
+           "def add(a, b):", "x = [", "with open(", "return "]
+  greedy_prompts = [tok.encode(t) for t in texts]
+  lengths = [4, 9, 14, 20, 6, 11, 17, 24]
+
+  def completion_ids(i):
+    stream = i % 2 == 1
+    kw = dict(model="tiny", prompt=greedy_prompts[i], max_tokens=lengths[i], temperature=0.0,
+              extra_body={"return_token_ids": True})
+    if not stream:
+      c = client.completions.create(**kw).choices[0]
+      return c.token_ids, c.text, c.finish_reason
+    ids, text, reason = [], "", None
+    for chunk in client.completions.create(stream=True, **kw):
+      ids += chunk.choices[0].token_ids
+      text += chunk.choices[0].text
+      reason = chunk.choices[0].finish_reason or reason
+    return ids, text, reason
+
+  def other(i):
+    stream = i % 2 == 0
+    if i < 4:  # chat, sampled
+      kw = dict(model="tiny", messages=[{"role": "user", "content": texts[i]}], max_tokens=8 + i,
+                temperature=0.8, top_p=0.9, seed=i)
+      if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        return c.message.content, c.finish_reason
+      text, reason = "", None
+      for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.choices:
+          text += chunk.choices[0].delta.content or ""
+          reason = chunk.choices[0].finish_reason or reason
+      return text, reason
+    # completions with stop sequences (sampled and greedy)
+    kw = dict(model="tiny", prompt=texts[i], max_tokens=12 + i, stop=["\n", "):"],
+              temperature=0.7 if i % 2 else 0.0)
+    if not stream:
+      c = client.completions.create(**kw).choices[0]
+      return c.text, c.finish_reason
+    text, reason = "", None
+    for chunk in client.completions.create(stream=True, **kw):
+      text += chunk.choices[0].text
+      reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    greedy = [pool.submit(completion_ids, i) for i in range(8)]
+    others = [pool.submit(other, i) for i in range(8)]
+    greedy = [f.result(timeout=REQUEST_TIMEOUT_S * 2) for f in greedy]
+    others = [f.result(timeout=REQUEST_TIMEOUT_S * 2) for f in others]
+
+  ref = maverick.generate(loaded.model, greedy_prompts, max_new_tokens=lengths,
+                          stop_tokens=loaded.stop_tokens)
+  stops = set(loaded.stop_tokens)
+  for i, (ids, text, reason) in enumerate(greedy):
+    assert ids == ref.tokens[i], (i, texts[i])
+    assert text == tok.decode([t for t in ids if t not in stops])
+    assert reason == ("stop" if ids[-1] in stops else "length")
+    assert reason == "stop" or len(ids) == lengths[i]
+  for i, (text, reason) in enumerate(others):
+    assert reason in ("stop", "length"), (i, reason)
+    if i >= 4:
+      assert "\n" not in text and "):" not in text, (i, text)
+
+
+def test_requests_are_admitted_while_others_generate(server, client):
+  """A request sent while long ones stream gets its tokens before they finish: admitted into a
+  free slot at the next step, not after the batch drains."""
+  events = {}
+
+  def stream(name, max_tokens, prompt):
+    times = []
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                           temperature=0.0, stream=True,
+                                           extra_body={"return_token_ids": True}):
+      if chunk.choices and chunk.choices[0].token_ids:
+        times.append(time.monotonic())
+    events[name] = times
+
+  long_prompt = [1] + [400 + i for i in range(10)]  # token ids: no early EOS from text
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    longs = [pool.submit(stream, f"long{i}", MAX_SEQ_LEN - 12, long_prompt) for i in range(2)]
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while time.monotonic() < deadline and not httpx.get(f"{server}/health").json()["active"]:
+      time.sleep(0.05)
+    time.sleep(0.3)
+    late = pool.submit(stream, "late", 3, [1, 500, 501])
+    for f in longs + [late]:
+      f.result(timeout=REQUEST_TIMEOUT_S)
+  first_long_end = min(events["long0"][-1], events["long1"][-1])
+  assert len(events["late"]) >= 1
+  assert events["late"][0] > min(events["long0"][0], events["long1"][0])  # sent mid-generation
+  assert events["late"][-1] < first_long_end, "the late request waited for the batch to drain"
+
+
+def test_disconnect_frees_the_slot(server, client):
+  before = httpx.get(f"{server}/health").json()["released"]
+  body = {"model": "tiny", "prompt": [1] + [600 + i for i in range(8)], "max_tokens": 50,
+          "temperature": 0.0, "stream": True}
+  with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    got = [line for _, line in zip(range(3), lines) if line]
+    assert got and got[0].startswith("data: ")
+  deadline, h = time.monotonic() + 60, None
+  while time.monotonic() < deadline:
+    h = httpx.get(f"{server}/health").json()
+    if h["active"] == 0 and h["released"] > before:
+      break
+    time.sleep(0.1)
+  assert h["released"] == before + 1 and h["active"] == 0, h
+  c = client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0)
+  assert c.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body,status,words", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": "gpt-5", "prompt": "x"}, 404, "does not exist"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": MAX_SEQ_LEN}, 400, "context"),
+    ({"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny", "prompt": [10**9]}, 400, "vocabulary"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "'n'"),
+], ids=["json", "model", "context", "temperature", "top_p", "messages", "token", "n"])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, words):
+  path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else \
+      "/v1/completions"
+  content = body if isinstance(body, bytes) else json.dumps(body).encode()
+  r = httpx.post(f"{server}{path}", content=content, timeout=30,
+                 headers={"content-type": "application/json"})
+  assert r.status_code == status, r.text
+  err = r.json()["error"]
+  assert words in err["message"] and err["type"]
+  ok = httpx.post(f"{server}/v1/completions", timeout=60,
+                  json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+  assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
