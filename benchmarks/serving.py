@@ -1,0 +1,176 @@
+"""Serving benchmark: scripts/serve.py with the embedded pair under 1, 2, 4, ..., 64 concurrent users.
+
+  python benchmarks/serving.py                                   # spec off, K=3, tree 5x8x32
+  python benchmarks/serving.py --concurrency 1,4,16 --modes off,k3 --max_tokens 64
+
+For each mode a server is started (--slots = the largest concurrency), compiled (not timed), and
+each concurrency level runs --requests_per_user streaming requests per user back to back (greedy,
+prompts = held-out stdlib files cut to --prompt_len tokens). Reported per level: tokens/s per user
+(a request's tokens / its latency, averaged), tokens/s per server (all tokens / wall time), median
+time to first token, and the acceptance length (tokens per verify round, from /health). Results:
+benchmarks/results/serving_<device>.{json,md,png}.
+"""
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from maverick import cli  # noqa: E402  (after the sys.path line)
+
+MODES = {"off": ["--spec_k=0"], "k3": ["--spec_k=3"],
+         "tree": ["--tree_depth=5", "--tree_topk=8", "--tree_nodes=32"]}
+_MODES = flags.DEFINE_list("modes", ["off", "k3", "tree"], f"Of {sorted(MODES)} (tree: 5x8x32, "
+                           "the best tree of benchmarks/spec_decode.py).")
+_CONC = flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32", "64"], "Users.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Generated tokens per request.")
+_PER_USER = flags.DEFINE_integer("requests_per_user", 2, "Requests each user sends in turn.")
+_ROUNDS = flags.DEFINE_integer("rounds", 4, "--rounds of the server.")
+_PORT = flags.DEFINE_integer("port", 8123, "Port of the servers started.")
+_OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(REPO, "benchmarks", "results"),
+                               "Where the JSON, Markdown and PNG results go.")
+
+
+def _prompts(n, length):
+  import maverick
+  from maverick import data
+  tok = maverick.load("tiny").tokenizer
+  val = data.load_split(None, "validation")
+  docs = data.encode_documents(tok.hf_tokenizer, val.texts, tok.bos_id)
+  prompts = [d[:length].tolist() for d in docs if len(d) > length]
+  return [prompts[i % len(prompts)] for i in range(n)]
+
+
+async def _user(client, base, prompts, out):
+  for prompt in prompts:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": _MAX_TOKENS.value, "temperature": 0,
+            "stream": True, "return_token_ids": True}
+    start, first, n = time.perf_counter(), None, 0
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+      r.raise_for_status()
+      async for line in r.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+          continue
+        k = len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+        if k and first is None:
+          first = time.perf_counter()
+        n += k
+    end = time.perf_counter()
+    out.append(dict(tokens=n, latency=end - start, ttft=(first or end) - start))
+
+
+async def _level(base, users, prompts):
+  import httpx
+  async with httpx.AsyncClient(timeout=600) as client:
+    before = (await client.get(f"{base}/health")).json()
+    out, start = [], time.perf_counter()
+    per = _PER_USER.value
+    await asyncio.gather(*(_user(client, base, prompts[u * per:(u + 1) * per], out)
+                           for u in range(users)))
+    wall = time.perf_counter() - start
+    after = (await client.get(f"{base}/health")).json()
+  rounds = after["spec_rounds"] - before["spec_rounds"]
+  accepted = after["spec_accepted"] - before["spec_accepted"]
+  tokens = sum(o["tokens"] for o in out)
+  return dict(users=users, requests=len(out), tokens=tokens, wall_s=wall,
+              tps_user=statistics.mean(o["tokens"] / o["latency"] for o in out),
+              tps_server=tokens / wall, ttft_s=statistics.median(o["ttft"] for o in out),
+              acceptance=accepted / rounds if rounds else None)
+
+
+def _serve(mode, slots):
+  import httpx
+  args = [sys.executable, os.path.join(REPO, "scripts", "serve.py"), f"--port={_PORT.value}",
+          f"--slots={slots}", f"--rounds={_ROUNDS.value}",
+          f"--max_seq_len={_PROMPT_LEN.value + _MAX_TOKENS.value}", *MODES[mode]]
+  proc = subprocess.Popen(args, cwd=REPO)
+  base = f"http://127.0.0.1:{_PORT.value}"
+  for _ in range(3600):
+    if proc.poll() is not None:
+      raise RuntimeError(f"serve.py {mode} exited with {proc.returncode}")
+    try:
+      if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+        return proc, base
+    except httpx.TransportError:
+      pass
+    time.sleep(1)
+  proc.kill()
+  raise RuntimeError("server not ready after an hour")
+
+
+def _report(rows, device):
+  lines = [f"# Serving benchmark ({device})", "",
+           f"Embedded target + draft, greedy, prompt {_PROMPT_LEN.value} tokens, "
+           f"{_MAX_TOKENS.value} new tokens, {_PER_USER.value} requests per user, "
+           f"--rounds {_ROUNDS.value}. `python benchmarks/serving.py`", "",
+           "| mode | users | tokens/s per user | tokens/s per server | TTFT median (s) | "
+           "acceptance length |", "|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    acc = f"{r['acceptance']:.2f}" if r["acceptance"] else "-"
+    lines.append(f"| {r['mode']} | {r['users']} | {r['tps_user']:.1f} | {r['tps_server']:.1f} | "
+                 f"{r['ttft_s']:.3f} | {acc} |")
+  return "\n".join(lines) + "\n"
+
+
+def _plot(rows, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4.5))
+  for mode in dict.fromkeys(r["mode"] for r in rows):
+    rs = [r for r in rows if r["mode"] == mode]
+    ax.plot([r["tps_server"] for r in rs], [r["tps_user"] for r in rs], "o-", label=mode)
+    for r in rs:
+      ax.annotate(str(r["users"]), (r["tps_server"], r["tps_user"]), fontsize=7)
+  ax.set_xlabel("tokens/s per server")
+  ax.set_ylabel("tokens/s per user")
+  ax.set_xscale("log")
+  ax.grid(alpha=0.3)
+  ax.legend(title="speculation")
+  ax.set_title("serve.py, embedded pair (labels: concurrent users)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  cli.start(argv)
+  import jax
+  conc = [int(c) for c in _CONC.value]
+  for m in _MODES.value:
+    if m not in MODES:
+      raise cli.UsageError(f"--modes: {m!r} is not one of {sorted(MODES)}")
+  device = jax.devices()[0].platform
+  prompts = _prompts(max(conc) * _PER_USER.value, _PROMPT_LEN.value)
+  rows = []
+  for mode in _MODES.value:
+    proc, base = _serve(mode, max(conc))
+    try:
+      asyncio.run(_level(base, 1, prompts))  # warm-up
+      for users in conc:
+        r = dict(mode=mode, **asyncio.run(_level(base, users, prompts)))
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    finally:
+      proc.terminate()
+      proc.wait(60)
+  os.makedirs(_OUT_DIR.value, exist_ok=True)
+  stem = os.path.join(_OUT_DIR.value, f"serving_{device}")
+  cli.write_atomic(stem + ".json", json.dumps(rows, indent=1))
+  cli.write_atomic(stem + ".md", _report(rows, device))
+  _plot(rows, stem + ".png")
+  print(_report(rows, device))
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)
