@@ -195,7 +195,9 @@ def create_app(server: Server) -> FastAPI:
                      "messages")
     try:
       return server.tokenizer.apply_chat_template(messages)
-    except (TypeError, ValueError, KeyError) as e:
+    except NotImplementedError as e:
+      raise ApiError(400, f"this model has no chat template: {e}", "messages") from None
+    except (TypeError, ValueError, KeyError) as e:  # TokenizerError is a ValueError
       raise ApiError(400, f"bad 'messages': {e}", "messages") from None
 
   async def generate(request: Request, chat: bool):
@@ -257,7 +259,8 @@ def create_app(server: Server) -> FastAPI:
     def choice(text, reason, token_ids, delta):
       c: dict[str, Any] = {"index": 0, "finish_reason": reason}
       if chat:
-        c["delta" if delta else "message"] = {"role": "assistant", "content": text}
+        c["delta" if delta else "message"] = ({"content": text} if delta else
+                                              {"role": "assistant", "content": text})
       else:
         c["text"], c["logprobs"] = text, None
       if want_ids:
@@ -277,7 +280,7 @@ def create_app(server: Server) -> FastAPI:
       chunk_obj = "chat.completion.chunk" if chat else "text_completion"
       head = {"id": rid, "object": chunk_obj, "created": created, "model": server.model_name}
       if chat:
-        first = choice("", None, [], True)
+        first = dict(choice("", None, [], True), delta={"role": "assistant", "content": ""})
         yield f"data: {json.dumps(dict(head, choices=[first]))}\n\n"
       async for piece, toks, reason in pieces():
         n += len(toks)
