@@ -54,7 +54,7 @@ def _prompts(n, length):
 async def _user(client, base, prompts, out):
   for prompt in prompts:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": _MAX_TOKENS.value, "temperature": 0,
-            "stream": True, "return_token_ids": True}
+            "stream": True, "return_token_ids": True, "ignore_eos": True}
     start, first, n = time.perf_counter(), None, 0
     async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
       r.raise_for_status()

@@ -162,12 +162,13 @@ def test_requests_are_admitted_while_others_generate(server, client):
     times = []
     for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
                                            temperature=0.0, stream=True,
-                                           extra_body={"return_token_ids": True}):
+                                           extra_body={"return_token_ids": True,
+                                                       "ignore_eos": True}):
       if chunk.choices and chunk.choices[0].token_ids:
         times.append(time.monotonic())
     events[name] = times
 
-  long_prompt = [1] + [400 + i for i in range(10)]  # token ids: no early EOS from text
+  long_prompt = [1] + [400 + i for i in range(10)]
   with concurrent.futures.ThreadPoolExecutor(3) as pool:
     longs = [pool.submit(stream, f"long{i}", MAX_SEQ_LEN - 12, long_prompt) for i in range(2)]
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
@@ -186,7 +187,7 @@ def test_requests_are_admitted_while_others_generate(server, client):
 def test_disconnect_frees_the_slot(server, client):
   before = httpx.get(f"{server}/health").json()["released"]
   body = {"model": "tiny", "prompt": [1] + [600 + i for i in range(8)], "max_tokens": 50,
-          "temperature": 0.0, "stream": True}
+          "temperature": 0.0, "stream": True, "ignore_eos": True}
   with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
     assert r.status_code == 200
     lines = r.iter_lines()

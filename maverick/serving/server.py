@@ -5,7 +5,8 @@
   POST /v1/completions       prompt: a string or a list of token ids (one prompt per request)
   POST /v1/chat/completions  messages through the model's chat template
 Both POSTs stream with "stream": true (server-sent events, then `data: [DONE]`). Extensions:
-"top_k", and "return_token_ids": true adds each choice's generated "token_ids". Errors have
+"top_k", "ignore_eos" (generate to max_tokens), and "return_token_ids": true adds each choice's
+generated "token_ids". Errors have
 OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 404 for an
 unknown model, 503 while starting. Stop strings ("stop") are matched on the decoded text here; the
 model's end-of-sequence tokens stop on device.
@@ -220,13 +221,17 @@ def create_app(server: Server) -> FastAPI:
     opts = body.get("stream_options") or {}
     usage_in_stream = isinstance(opts, dict) and bool(opts.get("include_usage"))
     want_ids = bool(body.get("return_token_ids", False))
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+      raise ApiError(400, "'ignore_eos' must be true or false", "ignore_eos")
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     try:
       handle = server.engine.submit(
           ids, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
           max_tokens=max_tokens, temperature=float(temperature), top_k=max(int(top_k), 0),
-          top_p=float(top_p), seed=random.getrandbits(32) if seed is None else seed)
+          top_p=float(top_p), seed=random.getrandbits(32) if seed is None else seed,
+          stop_tokens=[] if ignore_eos else None)
     except ValueError as e:
       param = "max_tokens" if "max_tokens" in str(e) else None
       raise ApiError(400, str(e), param) from None
