@@ -189,6 +189,7 @@ class Engine:
                                             else s.shape, s.dtype), row)
     rows["result"] = dataclasses.replace(rows["result"], done=jnp.ones((B,), bool))
     rows["stop_ids"] = jnp.full_like(rows["stop_ids"], plain.NO_STOP)
+    rows["params"] = dataclasses.replace(rows["params"], top_p=jnp.ones((B,), jnp.float32))
     return self._constrain(rows), jax.random.key(0)
 
   def _insert(self, states, rows, key, slot, prompt, length, params, stop_ids, max_tokens, seed):
