@@ -230,6 +230,25 @@ def test_generate_with_imported_model(model, hf_fixture):
   assert len(tokens) == 4 and ((0 <= tokens) & (tokens < 512)).all()
 
 
+def test_spec_generate_modelopt_target_nvidia_head_is_lossless(model, tmp_path):
+  """The record pair in miniature: the ModelOpt FP8 target (static activation scales, FP8 KV
+  scales) imported from NVIDIA's layout + an EAGLE-3 head in NVIDIA's layout (full vocabulary, no
+  d2t, no embed_tokens, bfloat16 as shipped): speculative greedy output == plain greedy output.
+  One case only: a speculative program takes ~1 min to compile on the CI machine."""
+  import spec_decode
+  from nvidia_eagle3_fixture import write_head
+  from spec_decode import speculative as spec
+  write_head(tmp_path / "head", seed=3, prefix="midlayer.")
+  draft = spec_decode.load_draft(str(tmp_path / "head"), model)
+  assert draft.lm_head.get_value().dtype == jnp.bfloat16
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, 512, n).tolist() for n in (3, 11, 6)]
+  kw = dict(max_new_tokens=14, stop_tokens=[])
+  got = spec.generate(model, draft, prompts, k=3, **kw)
+  assert got.tokens == gen.generate(model, prompts, **kw).tokens
+  assert all(len(t) == 14 for t in got.tokens)
+
+
 def test_multimodal_layout_and_cli_conversion(tmp_path, hf_config, layout, model, hf_fixture):
   """`language_model.` keys, vision tensors, only hf_quant_config.json; scripts/convert_hf.py
   converts it and the converted model equals the directly loaded one."""
