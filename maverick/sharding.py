@@ -196,16 +196,28 @@ def shard_model(model, mesh: Mesh, layout: str = "tp"):
   cfg = getattr(model.config, "layer", model.config)  # the draft's layer config
   check_model_fits(cfg, plan, type(model).__name__)
   flat = nnx.to_flat_state(nnx.state(model))
-  targets = []
-  for path, var in flat:  # check every weight before moving any
-    axes = var.get_metadata().get("logical_axes", (None,) * len(var.shape))
-    targets.append(NamedSharding(mesh, plan.spec(axes)))
-    _check_param(path, var.shape, targets[-1].spec, plan)
-  placed = [(path, var.replace(value=put(var.get_value(), sh)))
-            for (path, var), sh in zip(flat, targets)]
+  targets = param_shardings(nnx.state(model), plan)  # checks every weight before moving any
+  placed = [(path, var.replace(value=put(var.get_value(), targets[path]))) for path, var in flat]
   nnx.update(model, nnx.from_flat_state(placed))
   attach_plan(model, plan)
   return model
+
+
+def param_shardings(state: nnx.State, plan: Plan) -> dict[tuple, NamedSharding]:
+  """path -> the layout's sharding of each parameter of a (possibly abstract) model state; a
+  dimension the mesh does not divide is a ShardingError naming the weight."""
+  out = {}
+  for path, var in nnx.to_flat_state(state):
+    axes = var.get_metadata().get("logical_axes", (None,) * len(var.shape))
+    out[path] = NamedSharding(plan.mesh, plan.spec(axes))
+    _check_param(path, var.shape, out[path].spec, plan)
+  return out
+
+
+def put_from_host(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A host array onto `sharding`: each device receives only its own slice (no device ever holds
+  the whole array; across processes each process copies only its addressable shards)."""
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
 def attach_plan(model, plan: Plan | None):
