@@ -21,6 +21,10 @@ from absl import app
 from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Per-op trace events on XLA:CPU, for the profiled round breakdown (no cost while not tracing).
+_TRACEME = "--xla_cpu_enable_xprof_traceme=true"
+if _TRACEME not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _TRACEME).strip()
 sys.path.insert(0, REPO)
 
 from maverick import cli  # noqa: E402  (after the sys.path line)
@@ -137,6 +141,32 @@ def _round_breakdown(loaded, draft, k, prompt, repeats):
           "accept_ms": looped(accept), "plain_step_in_loop_ms": looped(plain_step)}
 
 
+def _profiled_shares(loaded, draft, k, prompts):
+  """Share of op time per piece of the round, from a profile of one real generate call: each
+  compiled op is attributed through its named scope (spec_decode.speculative.SCOPES); "other" is
+  the prefill and the loop's own control. Shares, not times: tracing adds a fixed cost per op, so
+  absolute traced times overstate pieces made of many small ops."""
+  import glob
+  import tempfile
+  import jax
+  import spec_decode
+  from maverick import profiling
+  from spec_decode import speculative as spec
+  run = lambda: spec_decode.generate(loaded.model, draft, prompts, k=k,
+                                     max_new_tokens=_NEW.value, stop_tokens=[])
+  run()
+  scopes = profiling.op_scopes(spec.most_recent_executable().as_text())
+  with tempfile.TemporaryDirectory() as log_dir:
+    jax.profiler.start_trace(log_dir)
+    run()
+    jax.profiler.stop_trace()
+    trace = glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    times = profiling.host_op_times(trace)
+  by_piece = profiling.time_by_scope(times, scopes, dict(spec.SCOPES))
+  total = sum(by_piece.values()) or 1
+  return {piece: ns / total for piece, ns in by_piece.items()}
+
+
 def main(argv):
   cli.start(argv)
   import jax
@@ -197,6 +227,7 @@ def main(argv):
                             - breakdown["accept_ms"])
     r0 = next(r for r in rows if r["batch"] == 1 and r["k"] == 0)
     breakdown["plain_step_ms"] = 1e3 * r0["seconds"] / r0["tokens"]
+    breakdown["profiled_shares"] = _profiled_shares(loaded, draft, 3, prompts[:1])
 
   result = {"device": device, "target": _TARGET.value, "draft": _DRAFT.value or _TARGET.value,
             "command": "python benchmarks/spec_decode.py " + " ".join(sys.argv[1:]),
@@ -236,6 +267,19 @@ def _markdown(res):
               f"acceptance {b['accept_ms']:.2f} ms + stopping/cache bookkeeping "
               f"{b['rest_ms']:.2f} ms. A plain decode step: {b['plain_step_ms']:.2f} ms in "
               f"generation ({b['plain_step_in_loop_ms']:.2f} ms alone)."]
+    shares = b.get("profiled_shares")
+    if shares:
+      names = {"verify": "target verify", "draft_extend": "draft extend", "draft": "draft chain",
+               "accept": "acceptance", "bookkeeping": "stopping/bookkeeping",
+               "other": "prefill + loop control"}
+      in_round = {p: v for p, v in shares.items() if p != "other"}
+      total = sum(in_round.values()) or 1
+      parts = ", ".join(f"{names.get(p, p)} {100 * v / total:.1f} % (~{v / total * b['round_ms']:.2f}"
+                        f" ms)" for p, v in sorted(in_round.items(), key=lambda x: -x[1]))
+      lines += ["", f"Profiled inside one generate call (each compiled op attributed by its named "
+                f"scope; share of the round's op time, ms = share x the round): {parts}. Outside "
+                f"the rounds (prefill, loop control): {100 * shares.get('other', 0):.1f} % of the "
+                f"call's op time."]
   return "\n".join(lines) + "\n"
 
 

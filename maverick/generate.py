@@ -230,6 +230,12 @@ class ExecutableCache:
   def clear(self) -> None:
     self._entries.clear()
 
+  def most_recent(self):
+    """The executable compiled or fetched last (for profiling and HLO inspection)."""
+    if not self._entries:
+      raise LookupError("nothing was compiled yet: call generate first")
+    return next(reversed(self._entries.values()))
+
   def __len__(self) -> int:
     return len(self._entries)
 

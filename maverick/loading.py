@@ -65,8 +65,10 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
       tokenizer, for smoke tests and benchmarks of shapes; its text output is meaningless.
 
   mesh: a `sharding.make_mesh(...)` mesh; the weights are placed by `layout` ("tp" or "ep", see
-  maverick/sharding.py) and generation then runs sharded. Converted checkpoints restore straight
-  into the shardings (also across processes after `sharding.initialize_distributed`).
+  maverick/sharding.py) and generation then runs sharded. Hugging Face directories are read one
+  tensor at a time straight into the shardings (each device receives only its slice) and converted
+  checkpoints restore straight into them (also across processes after
+  `sharding.initialize_distributed`).
   """
   loaded = _load(source, dtype=dtype, mesh=mesh, rules=rules, seed=seed, moe_impl=moe_impl,
                  layout=layout, quant=quant, check_finite=check_finite)
@@ -110,7 +112,9 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_fi
   elif store.is_orbax_checkpoint(source):
     model = store.load_orbax(source, mesh=mesh, rules=rules, dtype=dtype, moe_impl=moe_impl)
   elif os.path.isfile(os.path.join(source, "config.json")):
-    model = store.load_hf(source, dtype=dtype, moe_impl=moe_impl, check_finite=check_finite)
+    # With a mesh each tensor goes straight into its shards (no device holds a whole tensor).
+    model = store.load_hf(source, dtype=dtype, moe_impl=moe_impl, check_finite=check_finite,
+                          mesh=mesh, layout=layout)
   else:
     raise CheckpointError(f"{source} holds neither {store.META_FILE} (converted checkpoint) nor "
                           "config.json (Hugging Face checkpoint)")

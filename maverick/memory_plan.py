@@ -10,6 +10,16 @@ channel; embeddings, lm_head, router and norms stay in the model dtype. Each lay
 own weights just before use (`quantized_weight` is the one place that decides what is quantized, so
 it can later point at the real quantization config). On GPU an FP8 GEMM reads the fp8 weights
 directly; on CPU XLA materialises one layer's dequantized copy, so CPU temp bytes over-count that.
+
+FP8 ModelOpt (`quant="fp8-modelopt"`, NVIDIA's record checkpoint as maverick imports it): the same
+FP8 weights (the per-tensor weight scale is broadcast to our per-output-channel f32 scales), plus one
+static f32 input scale per quantized weight; router, lm_head and embeddings stay BF16. The KV cache
+is counted in the model dtype (the checkpoint's FP8 KV cache would halve it).
+
+Draft (`nvidia_eagle3(cfg)`): NVIDIA's EAGLE-3 head for Maverick as published facts describe it
+(research/nvidia_checkpoints.md): BF16, fc 3*hidden -> hidden, one decoder layer with the target's
+heads / KV heads / head_dim, its own lm_head over the full target vocabulary, the target's embedding
+shared; its MLP width is not published and is assumed to be the target's dense MLP width.
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ from maverick.config import Config
 GB = 1e9
 # Usable HBM per device (decimal GB): DGX B200 lists 180 GB per GPU, H200 141 GB.
 DEVICES_HBM = {"B200": 180 * GB, "H200": 141 * GB}
-QUANTS = ("bf16", "fp8")
+QUANTS = ("bf16", "fp8", "fp8-modelopt")
+FP8_QUANTS = ("fp8", "fp8-modelopt")
+DRAFTS = ("nvidia-eagle3",)
 FP8 = jnp.float8_e4m3fn
 SCALE_DTYPE = jnp.float32
 
@@ -57,10 +69,14 @@ class Report:
   argument_bytes: int  # per device, from the executable (weights + caches + small inputs)
   output_bytes: int
   alias_bytes: int  # outputs written in place of donated inputs (the caches)
+  # fp8-modelopt: the static input scales (f32 scalars, replicated). Counted in weight_bytes; added
+  # to the total here because the compiled step does not read them (XLA prunes unused inputs).
+  static_scale_bytes: int = 0
 
   @property
   def total_bytes(self) -> int:
-    return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+    return (self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+            + self.static_scale_bytes)
 
   def fits(self, hbm: float) -> bool:
     return self.total_bytes <= hbm
@@ -84,7 +100,7 @@ def abstract_state(module, plan: sharding.Plan, quant: str):
     spec = plan.spec(axes)
     sharding._check_param(path, var.shape, spec, plan)
     dtype = var.dtype
-    reduce = quantized_weight(path, axes) if quant == "fp8" else None
+    reduce = quantized_weight(path, axes) if quant in FP8_QUANTS else None
     if reduce is not None:
       dtype = FP8
       keep = [i for i in range(len(var.shape)) if i not in reduce]
@@ -157,11 +173,32 @@ def _state_bytes(state) -> int:
   return sum(_shard_bytes(v.get_value()) for _, v in nnx.to_flat_state(state))
 
 
-def _report(name, compiled, weight_bytes, kv_bytes) -> Report:
+def static_scale_bytes(scales: dict, quant: str) -> int:
+  """fp8-modelopt: one f32 static input scale per FP8 weight (each a replicated scalar)."""
+  return 4 * len(scales) if quant == "fp8-modelopt" else 0
+
+
+def nvidia_eagle3(cfg: Config):
+  """NVIDIA's EAGLE-3 head for `cfg` (see the module docstring; MLP width assumed)."""
+  from spec_decode import draft as draft_lib
+  return draft_lib.Eagle3Config.for_target(cfg, draft_vocab_size=cfg.vocab_size,
+                                           dtype="bfloat16")
+
+
+def describe_draft(dcfg) -> str:
+  c = dcfg.layer
+  return (f"draft: NVIDIA EAGLE-3 head, bf16: fc {3 * dcfg.target_hidden_size} -> "
+          f"{dcfg.hidden_size}, 1 decoder layer ({c.num_attention_heads} heads, "
+          f"{c.num_key_value_heads} KV heads, head_dim {c.head_dim}, MLP {c.intermediate_size_mlp}"
+          f" - assumed: the target's dense MLP width, NVIDIA's is not published), own lm_head over "
+          f"{dcfg.draft_vocab_size} tokens, embedding shared with the target, its own KV cache")
+
+
+def _report(name, compiled, weight_bytes, kv_bytes, static=0) -> Report:
   m = compiled.memory_analysis()
-  return Report(name, weight_bytes, kv_bytes, int(m.temp_size_in_bytes),
+  return Report(name, weight_bytes + static, kv_bytes, int(m.temp_size_in_bytes),
                 int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
-                int(m.alias_size_in_bytes))
+                int(m.alias_size_in_bytes), static)
 
 
 def plan_decode_step(cfg: Config, plan: sharding.Plan, *, batch: int, context: int,
@@ -184,7 +221,7 @@ def plan_decode_step(cfg: Config, plan: sharding.Plan, *, batch: int, context: i
 
   compiled = jax.jit(step, donate_argnums=3).lower(state, scales, tokens, cache).compile()
   return _report("decode step", compiled, _state_bytes(state) + _tree_bytes(scales),
-                 _tree_bytes(cache))
+                 _tree_bytes(cache), static_scale_bytes(scales, quant))
 
 
 def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: int, k: int = 3,
@@ -194,7 +231,7 @@ def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: in
   from spec_decode import draft as draft_lib  # spec_decode depends on maverick, not the reverse
   from spec_decode import speculative as spec
   from spec_decode.verify import Candidates, chain_parents, verify_chain
-  dcfg = draft_config or draft_lib.Eagle3Config.for_target(cfg)
+  dcfg = draft_config or nvidia_eagle3(cfg)
   target = model_lib.abstract_model(cfg)
   draft = draft_lib.abstract_draft(dcfg)
   sharding.check_model_fits(cfg, plan)
@@ -237,7 +274,8 @@ def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: in
   compiled = jax.jit(round_, donate_argnums=(5, 6)).lower(
       ts, tscales, ds, x0, cand_tokens, cache, dcache).compile()
   weights = _state_bytes(ts) + _tree_bytes(tscales) + _state_bytes(ds)
-  return _report("speculative round", compiled, weights, _tree_bytes(cache) + _tree_bytes(dcache))
+  return _report("speculative round", compiled, weights, _tree_bytes(cache) + _tree_bytes(dcache),
+                 static_scale_bytes(tscales, quant))
 
 
 def format_reports(title: str, reports, hbm=DEVICES_HBM) -> str:

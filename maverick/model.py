@@ -402,10 +402,6 @@ class MoE(nnx.Module):
     input_scales = tuple(_value(getattr(self, f"{p}_input_scale")) for p in ("gate", "up", "down"))
     plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
     if plan is not None and not self.record_balance_loss:
-      if self.quant is not None and self.quant.static_activations:
-        raise NotImplementedError("the sharded MoE does not run static per-tensor FP8 "
-                                  "activations yet; load the checkpoint with "
-                                  "activations='dynamic_per_token' or without a mesh")
       shared = (self.shared.gate[...], self.shared.up[...], self.shared.down[...])
       shared_scales = (_value(self.shared.gate_scale), _value(self.shared.up_scale),
                        _value(self.shared.down_scale))
@@ -413,7 +409,10 @@ class MoE(nnx.Module):
                                self.down[...], shared, top_k=self.top_k, impl=self.impl,
                                router_scale=_value(self.router_scale), scales=scales,
                                shared_scales=shared_scales, quant=self.quant,
-                               kernels=self.kernels)
+                               kernels=self.kernels,
+                               router_input_scale=_value(self.router_input_scale),
+                               input_scales=input_scales,
+                               shared_input_scales=self.shared.input_scales())
       return y.reshape(B, T, D)
     top_idx, scores, logits = moe.route(x, self.router[...], self.top_k,
                                         router_scale=_value(self.router_scale), quant=self.quant,

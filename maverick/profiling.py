@@ -135,29 +135,33 @@ def op_scopes(hlo_text: str) -> dict[str, str]:
 
 
 def host_op_times(path: str | Path) -> collections.Counter:
-  """{op name: summed nanoseconds} of the XLA:CPU thunks in one xplane trace (recorded with
-  XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true). Times are per-op busy time summed over threads."""
+  """{event name: summed nanoseconds} on the XLA:CPU threads of one xplane trace (recorded with
+  XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true): each thunk is an event named after its HLO
+  instruction, on the executing thread (tf_XLAExecute or an intra-op tf_XLAEigen thread). Other
+  runtime events come along; `time_by_scope` keeps only the program's instruction names."""
   from jax._src.lib import _profile_data
   profile = _profile_data.ProfileData.from_file(str(path))
   times = collections.Counter()
   for plane in profile.planes:
+    if not plane.name.startswith("/host"):
+      continue
     for line in plane.lines:
-      if "XLAEigen" not in line.name:
+      if not line.name.startswith("tf_XLA"):
         continue
       for event in line.events:
-        if not event.name.startswith("ThunkExecutor"):
-          times[event.name] += event.duration_ns
+        times[event.name] += event.duration_ns
   return times
 
 
 def time_by_scope(op_times: collections.Counter, scopes: dict[str, str],
                   pieces: dict[str, str]) -> dict[str, float]:
   """Sums op times per piece: {piece: ns} where an op belongs to the first piece whose scope
-  string is in its op_name; ops in no piece go to "other". Control ops (while, conditional,
-  call) are skipped: their time is their callees' ops, already counted."""
-  out = collections.Counter({piece: 0 for piece in pieces})
+  string is in its op_name; the program's other ops go to "other". Events that are not one of
+  the program's instructions (`scopes`' keys) and control ops (while, conditional, call: their
+  time is their callees' ops, already counted) are skipped."""
+  out = collections.Counter({piece: 0 for piece in pieces} | {"other": 0})
   for op, ns in op_times.items():
-    if op.split(".")[0] in ("while", "conditional", "call"):
+    if op not in scopes or op.split(".")[0] in ("while", "conditional", "call"):
       continue
     op_name = scopes.get(op, "")
     piece = next((p for p, s in pieces.items() if s in op_name), "other")

@@ -196,16 +196,28 @@ def shard_model(model, mesh: Mesh, layout: str = "tp"):
   cfg = getattr(model.config, "layer", model.config)  # the draft's layer config
   check_model_fits(cfg, plan, type(model).__name__)
   flat = nnx.to_flat_state(nnx.state(model))
-  targets = []
-  for path, var in flat:  # check every weight before moving any
-    axes = var.get_metadata().get("logical_axes", (None,) * len(var.shape))
-    targets.append(NamedSharding(mesh, plan.spec(axes)))
-    _check_param(path, var.shape, targets[-1].spec, plan)
-  placed = [(path, var.replace(value=put(var.get_value(), sh)))
-            for (path, var), sh in zip(flat, targets)]
+  targets = param_shardings(nnx.state(model), plan)  # checks every weight before moving any
+  placed = [(path, var.replace(value=put(var.get_value(), targets[path]))) for path, var in flat]
   nnx.update(model, nnx.from_flat_state(placed))
   attach_plan(model, plan)
   return model
+
+
+def param_shardings(state: nnx.State, plan: Plan) -> dict[tuple, NamedSharding]:
+  """path -> the layout's sharding of each parameter of a (possibly abstract) model state; a
+  dimension the mesh does not divide is a ShardingError naming the weight."""
+  out = {}
+  for path, var in nnx.to_flat_state(state):
+    axes = var.get_metadata().get("logical_axes", (None,) * len(var.shape))
+    out[path] = NamedSharding(plan.mesh, plan.spec(axes))
+    _check_param(path, var.shape, out[path].spec, plan)
+  return out
+
+
+def put_from_host(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A host array onto `sharding`: each device receives only its own slice (no device ever holds
+  the whole array; across processes each process copies only its addressable shards)."""
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
 def attach_plan(model, plan: Plan | None):
@@ -259,14 +271,18 @@ def to_host(x) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared, *, top_k: int,
                 impl: str, router_scale=None, scales=(None, None, None),
-                shared_scales=(None, None, None), quant=None, kernels: str | None = "xla"):
+                shared_scales=(None, None, None), quant=None, kernels: str | None = "xla",
+                router_input_scale=None, input_scales=(None, None, None),
+                shared_input_scales=(None, None, None)):
   """Llama 4 MoE (routed + shared expert) inside shard_map with one psum at the end.
 
   shared: (gate [D,F], up [D,F], down [F,D]) of the shared expert. FP8 weights come with their
   per-output-channel scales (router [E], experts (gate [E,F], up [E,F], down [E,D]), shared (gate
   [F], up [F], down [D])), sharded like the output axis of their weight; None = unquantized.
   `kernels` (maverick.kernels): the grouped GEMM and shared-expert GEMM kernels run here, in the
-  shard_map, on the local experts / expert widths."""
+  shard_map, on the local experts / expert widths. Static FP8 activation scales (router, experts
+  (gate, up, down), shared (gate, up, down); f32 scalars) are replicated: quantizing with one
+  global scalar is elementwise, so every shard quantizes its slice exactly as one device would."""
   from maverick import moe  # avoid a cycle at import time
   from maverick.model import swiglu
   rows = plan.batch_axis(x_nd.shape[0])
@@ -278,9 +294,11 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
                       and not (dp_experts and a == ex))
   P = PartitionSpec
 
-  def local(x_own, router, gate, up, down, sg, su, sd, r_scale, e_scales, s_scales):
+  def local(x_own, router, gate, up, down, sg, su, sd, r_scale, e_scales, s_scales, statics):
+    r_in, e_in, s_in = statics
     x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
-    top_idx, scores, _ = moe.route(x, router, top_k, router_scale=r_scale, quant=quant)
+    top_idx, scores, _ = moe.route(x, router, top_k, router_scale=r_scale, quant=quant,
+                                   router_input_scale=r_in)
     if ex is not None:
       e_local = gate.shape[0]
       first = jax.lax.axis_index(ex) * e_local
@@ -293,12 +311,12 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
       top_idx = jnp.where(mine, idx, 0 if gathered else e_local)
       scores = jnp.where(mine, scores, jnp.zeros_like(scores))
     y = moe.moe_experts(x, top_idx, scores, gate, up, down, impl=impl, scales=e_scales,
-                        quant=quant, kernels=kernels)
+                        quant=quant, kernels=kernels, input_scales=e_in)
     if dp_experts:  # own rows, summed over expert shards; the shared expert on own rows only
       y = jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True)
-      s = swiglu(x_own, sg, su, sd, s_scales, quant, kernels)
+      s = swiglu(x_own, sg, su, sd, s_scales, quant, kernels, input_scales=s_in)
     else:
-      s = swiglu(x, sg, su, sd, s_scales, quant, kernels)
+      s = swiglu(x, sg, su, sd, s_scales, quant, kernels, input_scales=s_in)
       if ex is not None:  # every expert shard has the shared expert's slice: count it once
         s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
     return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s
@@ -312,6 +330,8 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
 
   e_gate, e_up, e_down = scales
   s_gate, s_up, s_down = shared_scales
+  statics = (router_input_scale, tuple(input_scales), tuple(shared_input_scales))
+  static_specs = jax.tree.map(lambda _: P(), statics)
   f = jax.shard_map(
       local, mesh=plan.mesh,
       in_specs=(P(rows, None), P(None, None),
@@ -320,10 +340,10 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
                 w_spec((None, tp), s_up), w_spec((tp, None), s_down),
                 None if router_scale is None else P(None),
                 scale_specs(scales, (P(ex, tp), P(ex, tp), P(ex, None))),
-                scale_specs(shared_scales, (P(tp), P(tp), P(None)))),
+                scale_specs(shared_scales, (P(tp), P(tp), P(None))), static_specs),
       out_specs=P(rows, None), check_vma=False)
   return f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared, router_scale, tuple(scales),
-           tuple(shared_scales))
+           tuple(shared_scales), statics)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ bytes and whether they fit a B200 (180 GB) / H200 (141 GB).
 Examples:
   python scripts/plan_memory.py --config maverick --mesh 8 --quant fp8 --context 131072 --batch 8
   python scripts/plan_memory.py --config scout --mesh 4 --quant fp8 --context 131072 --batch 8
+  python scripts/plan_memory.py --config maverick --quant fp8-modelopt --mesh 8 --draft nvidia-eagle3
   python scripts/plan_memory.py --config maverick --mesh 8 --layout ep --tensor 1 --quant bf16
 """
 
@@ -48,7 +49,15 @@ _LAYOUT = flags.DEFINE_enum("layout", "tp", ["tp", "ep"], "tp: every expert spli
                             "devices (min latency); ep: experts spread over devices (throughput).")
 _TENSOR = flags.DEFINE_integer("tensor", None, "With --layout ep: tensor-parallel size inside "
                                "each expert group (default 1: --mesh devices all on experts).")
-_QUANT = flags.DEFINE_enum("quant", "fp8", ["bf16", "fp8"], "Weight format of linears/experts.")
+_QUANT = flags.DEFINE_enum(
+    "quant", "fp8", ["bf16", "fp8", "fp8-modelopt"],
+    "Weight format of linears/experts. fp8-modelopt: NVIDIA's ModelOpt FP8 checkpoint as imported "
+    "(FP8 weights, per-channel f32 scales, a static f32 input scale per weight; router, lm_head "
+    "and embeddings BF16).")
+_DRAFT = flags.DEFINE_enum(
+    "draft", "nvidia-eagle3", ["nvidia-eagle3"],
+    "Draft head of the speculative round: NVIDIA's EAGLE-3 head for the target (BF16, full "
+    "vocabulary lm_head, one decoder layer shaped like the target's).")
 _CONTEXT = flags.DEFINE_integer("context", 131072, "KV cache positions per sequence.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded together.")
 _SPEC_K = flags.DEFINE_integer("spec_k", 3, "Draft tokens per speculative round (0: no round).")
@@ -101,15 +110,22 @@ def run() -> str:
   kw = dict(batch=_BATCH.value, context=_CONTEXT.value, quant=_QUANT.value)
   reports = [memory_plan.plan_decode_step(cfg, plan, **kw)]
   if _SPEC_K.value:
-    reports.append(memory_plan.plan_spec_round(cfg, plan, k=_SPEC_K.value, **kw))
+    reports.append(memory_plan.plan_spec_round(cfg, plan, k=_SPEC_K.value,
+                                               draft_config=memory_plan.nvidia_eagle3(cfg), **kw))
   mesh_desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
   title = (f"{_CONFIG.value} {_QUANT.value}, layout {_LAYOUT.value} ({mesh_desc}), context "
            f"{_CONTEXT.value} x batch {_BATCH.value}, per device:")
   text = memory_plan.format_reports(title, reports)
+  if _SPEC_K.value:
+    text += "\n" + memory_plan.describe_draft(memory_plan.nvidia_eagle3(cfg))
+  if _QUANT.value == "fp8-modelopt":
+    text += ("\nKV cache counted in " + cfg.dtype + " (the ModelOpt checkpoint's FP8 KV cache "
+             "would halve it); static input scales included in weights")
   if _JSON.value:
     cli.write_atomic(_JSON.value, json.dumps({
         "config": _CONFIG.value, "layout": _LAYOUT.value, "mesh": dict(mesh.shape),
         "quant": _QUANT.value, "context": _CONTEXT.value, "batch": _BATCH.value,
+        "draft": _DRAFT.value if _SPEC_K.value else None,
         "reports": [dict(dataclasses.asdict(r), total_bytes=r.total_bytes) for r in reports]},
         indent=1))
   return text

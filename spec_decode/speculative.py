@@ -212,6 +212,11 @@ spec_generate_jit = jax.jit(
 _EXECUTABLES = plain.ExecutableCache()
 
 
+def most_recent_executable():
+  """The compiled program of the last speculative generate call (its HLO: `.as_text()`)."""
+  return _EXECUTABLES.most_recent()
+
+
 def compiled_spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, *, k, steps,
                            capacity, pad_id, tree=None):
   """(compiled executable, seconds compiling now: 0.0 when cached)."""

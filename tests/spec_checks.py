@@ -202,8 +202,95 @@ def fp8_tree_commit():
   teacher_greedy("tree", 4, fp8_case())
 
 
+def _np_greedy_chain(best, tokens):
+  """The rejection rule on one-hot p and q, by hand: accepted = the leading run of candidates
+  equal to the target's argmax at their position; next = the argmax after the run."""
+  n = np.zeros(len(tokens), np.int64)
+  for b in range(len(tokens)):
+    while n[b] < tokens.shape[1] and tokens[b, n[b]] == best[b, n[b]]:
+      n[b] += 1
+  return n, best[np.arange(len(tokens)), n]
+
+
+# A fixed verify-block tree: index -> parent (root 0 has none); depth from the parents.
+_TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 6, 7]
+
+
+def _np_greedy_tree(best, tokens, parents, depths, max_depth):
+  n, nxt, paths = [], [], []
+  for b in range(len(tokens)):
+    cur, path = 0, [0]
+    for level in range(1, max_depth + 1):
+      kids = [i for i in range(tokens.shape[1]) if parents[b, i] == cur and depths[b, i] == level
+              and tokens[b, i] == best[b, cur]]
+      if not kids:
+        break
+      cur = kids[0]
+      path.append(cur)
+    n.append(len(path) - 1)
+    nxt.append(best[b, cur])
+    paths.append(path + [0] * (max_depth + 1 - len(path)))
+  return np.array(n), np.array(nxt), np.array(paths)
+
+
+def greedy_rules():
+  """The greedy fast paths of chain and tree verification equal a NumPy walk of the rule AND the
+  general rejection sampler run on the same greedy rows, on random logits where candidates
+  match their position's argmax independently (so matches after a mismatch occur)."""
+  from maverick import sampling
+  from spec_decode import tree as tree_lib
+  from spec_decode import verify as verify_lib
+  import jax
+  rng = np.random.default_rng(11)
+  B, K, V = 64, 4, 40
+  greedy = sampling.SamplingParams.create(B)
+  key = jax.random.key(0)
+  logits = rng.standard_normal((B, K + 1, V)).astype(np.float32)
+  best = logits.argmax(-1)
+  wrong = (best + rng.integers(1, V, best.shape)) % V
+  tokens = np.where(rng.random((B, K)) < 0.6, best[:, :K], wrong[:, :K]).astype(np.int32)
+  cand = verify_lib.Candidates(jnp.asarray(tokens), jnp.asarray(np.eye(V, dtype=np.float32)[tokens]),
+                               verify_lib.chain_parents(K))
+  want = _np_greedy_chain(best, tokens)
+  assert 0 < (want[0] == 0).sum() < B and (want[0] == K).any(), "the case must mix run lengths"
+  fast = verify_lib.verify_chain(jnp.asarray(logits), cand, greedy, key)
+  general = verify_lib.verify_chain_sampled(jnp.asarray(logits), cand, greedy, key)
+  for name, got in (("fast", fast), ("general", general)):
+    np.testing.assert_array_equal(np.asarray(got[0]), want[0], err_msg=f"chain n ({name})")
+    np.testing.assert_array_equal(np.asarray(got[1]), want[1], err_msg=f"chain next ({name})")
+
+  T = len(_TREE_PARENTS)
+  parents = np.broadcast_to(np.array(_TREE_PARENTS, np.int32), (B, T)).copy()
+  depths = np.zeros((B, T), np.int32)
+  for i in range(1, T):
+    depths[:, i] = depths[:, _TREE_PARENTS[i]] + 1
+  max_depth = int(depths.max())
+  logits = rng.standard_normal((B, T, V)).astype(np.float32)
+  best = logits.argmax(-1)
+  tokens = np.zeros((B, T), np.int32)
+  for b in range(B):
+    for p in range(T):
+      kids = [i for i in range(T) if _TREE_PARENTS[i] == p]
+      if not kids:
+        continue
+      # Siblings are distinct tokens; at most one of them is the parent's argmax.
+      choices = rng.permutation([t for t in range(V) if t != best[b, p]])[:len(kids)]
+      if rng.random() < 0.7:
+        choices[rng.integers(len(kids))] = best[b, p]
+      tokens[b, kids] = choices
+  want = _np_greedy_tree(best, tokens, parents, depths, max_depth)
+  assert len(set(want[0].tolist())) > 2, "the case must mix path lengths"
+  args = tuple(jnp.asarray(x) for x in (logits, tokens, parents, depths))
+  fast = tree_lib.verify_tree(*args, greedy, key, max_depth)
+  general = tree_lib.verify_tree_sampled(*args, greedy, key, max_depth=max_depth)
+  for name, got in (("fast", fast), ("general", general)):
+    for i, what in enumerate(("n", "next", "path")):
+      np.testing.assert_array_equal(np.asarray(got[i]), want[i], err_msg=f"tree {what} ({name})")
+
+
 # The fast checks by name, cheapest first within each kind (mutation runs try them in order).
 CHECKS = {
+    "greedy rules": greedy_rules,
     "teacher chain b4": lambda: teacher_greedy("chain", 4),
     "teacher tree b4": lambda: teacher_greedy("tree", 4),
     "teacher chain b1": lambda: teacher_greedy("chain", 1),

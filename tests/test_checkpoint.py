@@ -759,6 +759,8 @@ def test_killed_conversion_is_cleaned_and_redone_identically(tmp_path, hf_fixtur
   assert f"removed {leftover}, left by an interrupted run (process {p.pid} is gone)" in err
   assert sorted(x.name for x in tmp_path.iterdir()) == ["out"]
   assert_same_params(load_orbax(str(out)), load_orbax(str(converted)))
+  assert store.read_meta(str(out)) == store.read_meta(str(converted))
+  assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in converted.iterdir())
 
 
 def test_output_being_written_by_a_live_process_is_refused(tmp_path, hf_fixture_dir):

@@ -207,6 +207,25 @@ def test_import_static_activations(model, layout, hf_config, hf_fixture):
   assert rel < 1e-3, rel
 
 
+@pytest.mark.parametrize("layout_name,mesh_kw", [("tp", dict(data=4, tensor=2)),
+                                                  ("ep", dict(expert=4, tensor=2))])
+def test_static_activations_run_sharded(ckpt_dir, model, hf_fixture, layout_name, mesh_kw):
+  """A direct load of the ModelOpt directory onto a mesh keeps the static activation scales (as
+  NVIDIA's reference runs them) through the sharded attention and MoE: logits equal the
+  single-device static model's (one global scalar per input, so every shard quantizes exactly as
+  one device does; only the f32 sum order differs), prompt and decode-sized inputs."""
+  from maverick import sharding
+  loaded = maverick.load(str(ckpt_dir), dtype="float32", mesh=sharding.make_mesh(**mesh_kw),
+                         layout=layout_name)
+  assert loaded.model.config.quant.activations == "static_per_tensor"
+  assert sharding.plan_of(loaded.model) is not None
+  inputs = hf_fixture["inputs"]
+  for x in (inputs, inputs[:, :3]):  # grouped and gathered expert paths
+    got = np.asarray(loaded.model(jnp.asarray(x)).logits)
+    want = np.asarray(model(jnp.asarray(x)).logits)
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)
+
+
 def test_import_dynamic_activations(ckpt_dir, layout, hf_config, hf_fixture):
   _, ref, input_scales = layout
   model = load_hf(str(ckpt_dir), dtype="float32", activations="dynamic_per_token")
@@ -228,6 +247,25 @@ def test_generate_with_imported_model(model, hf_fixture):
   out = gen.generate(model, [prompt], max_new_tokens=4, stop_tokens=[])
   tokens = np.asarray(out.tokens[0])
   assert len(tokens) == 4 and ((0 <= tokens) & (tokens < 512)).all()
+
+
+def test_spec_generate_modelopt_target_nvidia_head_is_lossless(model, tmp_path):
+  """The record pair in miniature: the ModelOpt FP8 target (static activation scales, FP8 KV
+  scales) imported from NVIDIA's layout + an EAGLE-3 head in NVIDIA's layout (full vocabulary, no
+  d2t, no embed_tokens, bfloat16 as shipped): speculative greedy output == plain greedy output.
+  One case only: a speculative program takes ~1 min to compile on the CI machine."""
+  import spec_decode
+  from nvidia_eagle3_fixture import write_head
+  from spec_decode import speculative as spec
+  write_head(tmp_path / "head", seed=3, prefix="midlayer.")
+  draft = spec_decode.load_draft(str(tmp_path / "head"), model)
+  assert draft.lm_head.get_value().dtype == jnp.bfloat16
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, 512, n).tolist() for n in (3, 11, 6)]
+  kw = dict(max_new_tokens=14, stop_tokens=[])
+  got = spec.generate(model, draft, prompts, k=3, **kw)
+  assert got.tokens == gen.generate(model, prompts, **kw).tokens
+  assert all(len(t) == 14 for t in got.tokens)
 
 
 def test_multimodal_layout_and_cli_conversion(tmp_path, hf_config, layout, model, hf_fixture):

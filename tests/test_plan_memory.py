@@ -85,3 +85,49 @@ def test_script_bad_input(args, match):
   p = _run(*args, "--context", "64", "--batch", "2", "--spec_k", "0")
   assert p.returncode == 1 and match in p.stderr, p.stderr[-2000:]
   assert "Traceback" not in p.stderr
+
+
+def test_modelopt_static_scales_and_nvidia_draft_head():
+  """fp8-modelopt = fp8 + one f32 static input scale per FP8 weight; the speculative round adds
+  NVIDIA's EAGLE-3 head, counted by hand from its published shapes (one device: no sharding)."""
+  cfg = config_lib.tiny(dtype="bfloat16")
+  plan = sharding.Plan(sharding.make_mesh(devices=jax.devices()[:1]), "tp")
+  kw = dict(batch=2, context=64)
+  fp8 = memory_plan.plan_decode_step(cfg, plan, quant="fp8", **kw)
+  mo = memory_plan.plan_decode_step(cfg, plan, quant="fp8-modelopt", **kw)
+  L, n_moe = cfg.num_hidden_layers, len(cfg.moe_layers)
+  # q, k, v, o in every layer; gate/up/down in dense layers; experts + shared expert in MoE ones.
+  n_fp8 = 4 * L + 3 * (L - n_moe) + 6 * n_moe
+  assert mo.weight_bytes - fp8.weight_bytes == 4 * n_fp8 == mo.static_scale_bytes
+  assert mo.total_bytes == (mo.argument_bytes + mo.temp_bytes + mo.output_bytes
+                            - mo.alias_bytes + 4 * n_fp8)
+
+  spec = memory_plan.plan_spec_round(cfg, plan, k=2, quant="fp8-modelopt", **kw)
+  D, V, H, K, Dh = (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads,
+                    cfg.num_key_value_heads, cfg.head_dim)
+  Fm = cfg.intermediate_size_mlp  # assumed MLP width of the head
+  bf16 = 2
+  head = bf16 * (3 * D * D  # fc: 3 fused target features -> D
+                 + 2 * D * H * Dh + 2 * (2 * D * K * Dh)  # q, k, v read [embedding | hidden]
+                 + H * Dh * D  # o
+                 + 3 * D * Fm  # MLP
+                 + D * V  # lm_head, full vocabulary
+                 + 4 * D)  # embed, hidden, post-attention and final norms
+  head += 4 * V  # d2t (int32), identity for a full-vocabulary head
+  assert spec.weight_bytes - mo.weight_bytes == head
+  # The draft's own KV cache: one layer of K and V, bf16, plus its lengths.
+  draft_kv = 2 * 2 * 64 * K * Dh * bf16 + 2 * 4
+  assert spec.kv_bytes - mo.kv_bytes == draft_kv
+
+
+def test_script_modelopt_with_nvidia_draft(tmp_path):
+  out = tmp_path / "plan.json"
+  p = _run("--config", "tiny", "--mesh", "2", "--quant", "fp8-modelopt", "--draft",
+           "nvidia-eagle3", "--context", "256", "--batch", "2", "--spec_k", "2", "--json_out",
+           str(out))
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert "draft: NVIDIA EAGLE-3 head, bf16: fc 192 -> 64" in p.stdout
+  assert "own lm_head over 512 tokens" in p.stdout and "assumed" in p.stdout
+  data = json.loads(out.read_text())
+  assert data["quant"] == "fp8-modelopt" and data["draft"] == "nvidia-eagle3"
+  assert all(r["static_scale_bytes"] > 0 for r in data["reports"])

@@ -67,3 +67,93 @@ def test_chrome_json_trace(tmp_path):
   plain = tmp_path / "t.trace.json"
   plain.write_text(json.dumps(events))  # a bare event list is valid Chrome trace JSON too
   assert profiling.count_device_to_host(plain) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Op time by named scope
+# ----------------------------------------------------------------------------------------------
+def test_op_scopes_inherit_the_scope_of_the_loop_that_holds_them():
+  """Ops inside a while body whose metadata XLA dropped still land in the body's scope: every
+  op of the compiled loop body maps to a scope string that names the body's named_scope."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  def f(x, w):
+    with jax.named_scope("heavy_part"):
+      def body(i, acc):
+        return jnp.tanh(acc @ w) + i
+      y = jax.lax.fori_loop(0, 3, body, x)
+    with jax.named_scope("light_part"):
+      return jnp.sum(y * 2.0)
+
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((8, 32)).astype(np.float32)
+  w = rng.standard_normal((32, 32)).astype(np.float32)
+  hlo = jax.jit(f).lower(x, w).compile().as_text()
+  scopes = profiling.op_scopes(hlo)
+  dots = [name for name in scopes if name.startswith(("dot", "ynn_fusion", "custom-call"))
+          or "dot" in name]
+  assert dots, "the compiled loop has no dot op"
+  assert all("heavy_part" in scopes[d] for d in dots), {d: scopes[d] for d in dots}
+  assert any("light_part" in s for s in scopes.values())
+
+
+def test_time_by_scope_sums_ops_per_piece_and_skips_control_ops():
+  import collections
+  times = collections.Counter({"fusion.1": 300, "fusion.2": 100, "while.7": 10_000,
+                               "copy.3": 50, "conditional.2": 999,
+                               "ThreadpoolListener::Record": 777})
+  scopes = {"fusion.1": "jit(f)/while/body/spec_verify/dot", "fusion.2": "jit(f)/spec_draft/add",
+            "copy.3": "", "while.7": "jit(f)/while", "conditional.2": "jit(f)/spec_verify/cond"}
+  by = profiling.time_by_scope(times, scopes, {"verify": "spec_verify", "draft": "spec_draft",
+                                               "accept": "spec_accept"})
+  assert by == {"verify": 300, "draft": 100, "accept": 0, "other": 50}
+
+
+_TRACE_SCRIPT = r"""
+import glob, json, os, sys, tempfile
+import jax, jax.numpy as jnp, numpy as np
+from maverick import profiling
+
+def f(x, w):
+  with jax.named_scope("big_matmuls"):
+    for _ in range(4):
+      x = jnp.tanh(x @ w)
+  with jax.named_scope("tiny_add"):
+    return x[:1, :1] + 1.0
+
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)
+w = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)
+g = jax.jit(f)
+exe = g.lower(x, w).compile()
+g(x, w).block_until_ready()
+with tempfile.TemporaryDirectory() as d:
+  jax.profiler.start_trace(d)
+  for _ in range(5):
+    g(x, w).block_until_ready()
+  jax.profiler.stop_trace()
+  times = profiling.host_op_times(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
+by = profiling.time_by_scope(times, profiling.op_scopes(exe.as_text()),
+                             {"big": "big_matmuls", "tiny": "tiny_add"})
+print(json.dumps(by))
+"""
+
+
+def test_host_op_times_attribute_a_real_cpu_trace(tmp_path):
+  """A real XLA:CPU trace (traceme on): the four 256^3 matmuls' scope gets far more op time than
+  the one-element add's."""
+  import os
+  import subprocess
+  import sys
+  script = tmp_path / "trace.py"
+  script.write_text(_TRACE_SCRIPT)
+  env = dict(os.environ, XLA_FLAGS="--xla_cpu_enable_xprof_traceme=true", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  by = json.loads(r.stdout.strip().splitlines()[-1])
+  assert by["big"] > 0, by
+  assert by["big"] > 5 * by["tiny"], by

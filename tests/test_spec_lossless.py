@@ -25,3 +25,7 @@ def test_teacher_draft_tree_with_fp8_kv_cache():
   """commit_path moves FP8 KV scales with their entries: the teacher tree run on an FP8-cache
   target (paths through siblings, partial paths) equals that target's plain greedy output."""
   sc.teacher_greedy("tree", 4, sc.fp8_case())
+
+
+def test_greedy_fast_paths_equal_the_rejection_rule():
+  sc.greedy_rules()

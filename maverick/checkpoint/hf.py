@@ -58,6 +58,9 @@ class CheckpointError(ValueError):
 class Target:
   path: Path
   transform: Callable[[np.ndarray], np.ndarray]
+  # The transform keeps the leading axis (transform(x[a:b]) == transform(x)[a:b]): the tensor can
+  # be read and converted in row chunks, never whole (the fused experts, the embedding).
+  by_rows: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +71,8 @@ class Source:
   targets: tuple[Target, ...]
 
 
-def _t(x):  # nn.Linear stores [out, in]; we store [in, out]
-  return np.ascontiguousarray(x.T)
+def _t(x):  # nn.Linear stores [out, in]; we store [in, out]. A view: the reader makes the copy.
+  return x.T
 
 
 def weight_map(cfg: Config) -> dict[str, Source]:
@@ -79,10 +82,10 @@ def weight_map(cfg: Config) -> dict[str, Source]:
   m: dict[str, Source] = {}
 
   def add(name, shape, *targets):
-    m[name] = Source(name, tuple(shape), tuple(Target(p, f) for p, f in targets))
+    m[name] = Source(name, tuple(shape), tuple(Target(*t) for t in targets))
 
   ident = lambda x: x
-  add("model.embed_tokens.weight", (V, D), (("embed",), ident))
+  add("model.embed_tokens.weight", (V, D), (("embed",), ident, True))
   for i in range(cfg.num_hidden_layers):
     p = f"model.layers.{i}."
     L = ("layers", i)
@@ -102,9 +105,9 @@ def weight_map(cfg: Config) -> dict[str, Source]:
       add(f + "router.weight", (E, D), (ffn + ("router",), _t))
       # Experts are stored x @ W ([in, out], no `.weight`); gate_up is [gate | up] halves.
       add(f + "experts.gate_up_proj", (E, D, 2 * F),
-          (ffn + ("gate",), lambda x: np.ascontiguousarray(x[..., :F])),
-          (ffn + ("up",), lambda x: np.ascontiguousarray(x[..., F:])))
-      add(f + "experts.down_proj", (E, F, D), (ffn + ("down",), ident))
+          (ffn + ("gate",), lambda x: x[..., :F], True),
+          (ffn + ("up",), lambda x: x[..., F:], True))
+      add(f + "experts.down_proj", (E, F, D), (ffn + ("down",), ident, True))
       for n, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
         add(f + f"shared_expert.{n}_proj.weight", shape, (ffn + ("shared", n), _t))
     else:
@@ -231,19 +234,28 @@ class SafetensorsCheckpoint:
       if absent:
         raise CheckpointError(f"{index_path} lists tensors absent from their shards: {absent[:5]}")
 
-  def read(self, name: str) -> np.ndarray:
-    """The tensor as a writable NumPy array (F32, F16, BF16 or F8_E4M3)."""
+  def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor (or its rows [start, stop) along axis 0) as a writable NumPy array (F32, F16,
+    BF16 or F8_E4M3) in a 64-byte aligned buffer, so JAX can adopt it without a copy."""
     raise_if_interrupted()
     info = self.tensors[name]
     if info.dtype not in _READABLE:
       raise CheckpointError(f"tensor {name} has dtype {info.dtype}; expected one of "
                             f"{sorted(_READABLE)}")
     dtype = _READABLE[info.dtype]
-    arr = np.fromfile(os.path.join(self.directory, info.file), dtype=dtype,
-                      count=math.prod(info.shape), offset=info.begin)
-    if arr.size != math.prod(info.shape):  # the file shrank after the header was checked
+    shape, begin = info.shape, info.begin
+    if rows is not None:
+      row_bytes = math.prod(shape[1:]) * dtype.itemsize
+      shape = (rows[1] - rows[0],) + tuple(shape[1:])
+      begin += rows[0] * row_bytes
+    arr = aligned_empty(shape, dtype)
+    with open(os.path.join(self.directory, info.file), "rb") as f:
+      f.seek(begin)
+      got = f.readinto(memoryview(arr.reshape(-1).view(np.uint8)))
+    if got != arr.nbytes:  # the file shrank after the header was checked
       raise CheckpointError(f"{info.file}: tensor {name} is truncated; re-download the file")
-    arr = arr.astype(dtype.newbyteorder("="), copy=False).reshape(info.shape)
+    if dtype.byteorder not in ("=", "|"):
+      arr = arr.astype(dtype.newbyteorder("="))  # big-endian host only
     if self.check_finite:
       bad = count_nonfinite(arr)
       if bad:
@@ -252,6 +264,26 @@ class SafetensorsCheckpoint:
             f"checkpoint is damaged (re-download or repair it). To load it anyway, pass "
             f"--nocheck_finite (check_finite=False).")
     return arr
+
+
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+  """An uninitialised array whose data starts on an `align`-byte boundary: JAX's CPU backend then
+  adopts it (`device_put(x, may_alias=True)`) instead of copying it."""
+  dtype = np.dtype(dtype)
+  n = math.prod(shape) * dtype.itemsize
+  buf = np.empty(n + align, np.uint8)
+  off = (-buf.ctypes.data) % align
+  return buf[off:off + n].view(dtype).reshape(shape)
+
+
+def as_aligned(x: np.ndarray, dtype) -> np.ndarray:
+  """`x` in `dtype`, C-contiguous and 64-byte aligned: `x` itself when it already is (no copy)."""
+  dtype = np.dtype(dtype)
+  if x.dtype == dtype and x.flags.c_contiguous and x.ctypes.data % 64 == 0:
+    return x
+  out = aligned_empty(x.shape, dtype)
+  out[...] = x
+  return out
 
 
 # Exponent bits of each readable dtype: all set means inf or NaN (e4m3fn: no inf, NaN = S.1111.111).
@@ -303,12 +335,49 @@ def plan(ckpt: SafetensorsCheckpoint, cfg: Config) -> list[tuple[str, Source]]:
   return [(stored, expected[canonical]) for canonical, stored in order]
 
 
-def iter_params(ckpt: SafetensorsCheckpoint, cfg: Config, dtype=None
+# Row chunks of a tensor read by rows: big enough for fast reads, small next to a layer.
+CHUNK_BYTES = 16 << 20
+
+
+def iter_params(ckpt: SafetensorsCheckpoint, cfg: Config, dtype=None, order=None
                 ) -> Iterator[tuple[Path, np.ndarray]]:
-  """Yields (parameter path, array in our layout and `dtype`), reading one HF tensor at a time."""
+  """Yields (parameter path, array in our layout and `dtype`, C-contiguous and aligned), reading
+  one HF tensor at a time. A tensor whose targets all keep its rows (fused experts, embedding) is
+  read in row chunks straight into its outputs, so it is never in memory twice; any other tensor
+  is read whole and freed once its targets are built. `order`: plan(ckpt, cfg) if already made."""
   dtype = jnp.dtype(dtype or cfg.dtype)
-  for stored, src in plan(ckpt, cfg):
-    raw = ckpt.read(stored)
-    for target in src.targets:
-      yield target.path, target.transform(raw).astype(dtype)
-    del raw
+  for stored, src in (plan(ckpt, cfg) if order is None else order):
+    yield from _read_source(ckpt, stored, src, dtype)
+
+
+def _read_source(ckpt: SafetensorsCheckpoint, stored: str, src: Source, dtype):
+  info = ckpt.tensors[stored]
+  row_bytes = math.prod(info.shape[1:]) * _READABLE[info.dtype].itemsize
+  if all(t.by_rows for t in src.targets) and len(info.shape) > 1 and \
+      info.end - info.begin > CHUNK_BYTES:
+    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+    n = info.shape[0]
+    first = ckpt.read(stored, rows=(0, min(step, n)))
+    outs = []
+    for t in src.targets:
+      piece = t.transform(first)
+      outs.append(aligned_empty((n,) + piece.shape[1:], dtype))
+      outs[-1][:piece.shape[0]] = piece
+    del first, piece
+    for a in range(step, n, step):
+      chunk = ckpt.read(stored, rows=(a, min(a + step, n)))
+      for t, out in zip(src.targets, outs):
+        out[a:a + chunk.shape[0]] = t.transform(chunk)
+      del chunk
+    for t in src.targets:
+      yield t.path, outs.pop(0)
+    return
+  raw = ckpt.read(stored)
+  targets = list(src.targets)
+  while targets:
+    t = targets.pop(0)
+    x = as_aligned(t.transform(raw), dtype)
+    if not targets:
+      del raw  # the last target: the source is not needed while the caller holds x
+    yield t.path, x
+    del x

@@ -386,14 +386,19 @@ def _stack_build(path, reads, scales, dtype, scale_shape):
 # ----------------------------------------------------------------------------------------------
 def iter_params(ckpt: hf.SafetensorsCheckpoint, items: list[Item], *, progress: bool = False
                 ) -> Iterator[tuple[Path, np.ndarray]]:
+  """(path, host array) of each parameter; one group's stored tensors and outputs in memory at a
+  time (the stored ones are freed before the outputs are handed out)."""
   for item in tqdm(items, desc="importing fp8", unit="group", disable=not progress):
     raw = {n: ckpt.read(n) for n in item.reads}
-    yield from item.build(raw).items()
+    built = item.build(raw)
     del raw
+    while built:
+      path = next(iter(built))
+      yield path, built.pop(path)
 
 
-def iter_parts(ckpt, items, *, progress: bool = False):
-  """(part, {key in part: array}), a part at a time (the items are sorted by part)."""
+def iter_parts(ckpt, items, *, progress: bool = False, place=lambda x: x):
+  """(part, {key in part: place(array)}), a part at a time (the items are sorted by part)."""
   from maverick.checkpoint.store import _part_key, part_of
   current, flat = None, {}
   for path, x in iter_params(ckpt, items, progress=progress):
@@ -402,6 +407,7 @@ def iter_parts(ckpt, items, *, progress: bool = False):
       yield current, flat
       flat = {}
     current = part
-    flat[_part_key(path)] = x
+    flat[_part_key(path)] = place(x)
+    del x
   if flat:
     yield current, flat
