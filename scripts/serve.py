@@ -50,10 +50,27 @@ _MAX_SEQ_LEN = flags.DEFINE_integer(
 _ROUNDS = flags.DEFINE_integer(
     "rounds", 8, "Decode steps / speculative rounds per device call at most (a call also ends when "
     "a request finishes): more = less host overhead, fewer = faster admission and streaming.")
+_BATCH_BUCKETS = flags.DEFINE_list(
+    "batch_buckets", None, "Batch sizes with a compiled step program (a step runs the smallest one "
+    "that holds every busy slot; --slots is always one). Default: powers of two below --slots. "
+    "Fewer = faster start-up, more = less work at low load.")
 _MIN_BUCKET = flags.DEFINE_integer("min_bucket", 16, "Smallest prompt-length bucket (powers of "
                                    "two from it up to --max_seq_len are compiled at start-up).")
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id in the API (default: the "
                             "--checkpoint value).")
+
+
+def _batch_buckets():
+  if _BATCH_BUCKETS.value is None:
+    return None
+  try:
+    sizes = [int(v) for v in _BATCH_BUCKETS.value]
+  except ValueError:
+    raise cli.UsageError(f"--batch_buckets: {_BATCH_BUCKETS.value} are not all integers") from None
+  bad = [n for n in sizes if not 1 <= n <= _SLOTS.value]
+  if bad:
+    raise cli.UsageError(f"--batch_buckets: {bad} are outside [1, --slots={_SLOTS.value}]")
+  return sizes
 
 
 def _tree_shape():
@@ -96,7 +113,8 @@ def build_server():
   context = loaded.config.max_position_embeddings
   engine = Engine(loaded.model, draft, k=_SPEC_K.value, tree=tree, slots=_SLOTS.value,
                   max_seq_len=_MAX_SEQ_LEN.value or min(context, 2048), rounds=_ROUNDS.value,
-                  stop_tokens=loaded.stop_tokens, min_bucket=_MIN_BUCKET.value)
+                  stop_tokens=loaded.stop_tokens, min_bucket=_MIN_BUCKET.value,
+                  batch_buckets=_batch_buckets())
   return Server(engine, loaded.tokenizer, _NAME.value or _CHECKPOINT.value)
 
 
@@ -124,7 +142,7 @@ def main(argv):
   eng = server.engine
   mode = ("plain decoding" if eng.draft is None else
           f"tree {eng.tree}" if eng.tree is not None else f"speculative K={eng.k}")
-  bar = tqdm(total=len(eng.buckets) + 2, desc="compiling", unit="program", file=sys.stderr)
+  bar = tqdm(total=len(eng.buckets) + len(eng.batch_buckets) + 1, desc="compiling", unit="program", file=sys.stderr)
 
   def progress(what):
     if bar.n or getattr(progress, "started", False):

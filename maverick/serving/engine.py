@@ -8,9 +8,12 @@ changing its parameters never recompiles:
   - `insert` (jitted, one program per prompt-length bucket) prefills one bucketed prompt into a
     fresh one-row cache, samples its first token (and, speculative, prefills the draft and drafts
     the first candidates) and writes that row into slot `slot` of the state (a traced index);
-  - `step` (jitted, one program) runs up to `rounds` decode steps or speculative rounds for all
-    slots in a `lax.while_loop` that leaves as soon as a slot finishes, and returns the tokens each
-    slot produced since the last step (a [slots, W] window) with counts and done flags.
+  - `step` (jitted, one program per batch bucket n) runs up to `rounds` decode steps or
+    speculative rounds for the first n slots in a `lax.while_loop` that leaves as soon as a slot
+    finishes, and returns the tokens each slot produced since the last step (a [n, W] window) with
+    counts and done flags. Requests take the lowest free slot and n is the smallest bucket holding
+    every busy slot, so one user costs a batch-1 step, not a `slots`-row one (as a GPU server pads
+    to its captured batch sizes).
 
 The loop bodies are `maverick.generate.decode_round` and `spec_decode.speculative.round_fns`,
 the same code `maverick.generate` and `spec_decode.generate` run. Free slots are rows marked done:
@@ -25,6 +28,7 @@ the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -85,7 +89,8 @@ class Engine:
   def __init__(self, model, draft=None, *, k: int = 3, tree=None, slots: int = 8,
                max_seq_len: int = 512, rounds: int = DEFAULT_ROUNDS,
                stop_tokens: Sequence[int] | None = None, max_stop_ids: int = 8,
-               pad_id: int | None = None, min_bucket: int = plain.MIN_BUCKET):
+               pad_id: int | None = None, min_bucket: int = plain.MIN_BUCKET,
+               batch_buckets: Sequence[int] | None = None):
     cfg = model.config
     if slots < 1 or rounds < 1:
       raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
@@ -115,6 +120,9 @@ class Engine:
       self.buckets.append(b)
       b *= 2
     self.buckets.append(max_seq_len)
+    if batch_buckets is None:
+      batch_buckets = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
+    self.batch_buckets = sorted({int(n) for n in batch_buckets if 1 <= int(n) < slots} | {slots})
     self.plan = sharding.plan_of(model)
     self._graphdefs, self._states = [], []
     for m in (model,) + ((draft,) if draft is not None else ()):
@@ -132,6 +140,7 @@ class Engine:
     self._stop = False
     self.error: BaseException | None = None
     self.steps = 0  # device steps dispatched
+    self.steps_by_batch = {n: 0 for n in self.batch_buckets}  # ... per batch bucket run
     self.released = 0  # slots freed by a cancellation (a client gone, a stop string)
     self.finished = 0  # requests that ran to a stop token or their limit
     self.spec_rounds = self.spec_accepted = 0  # over finished requests: acceptance length
@@ -142,6 +151,16 @@ class Engine:
   def _models(self, states):
     models = [nnx.merge(g, s) for g, s in zip(self._graphdefs, states)]
     return models[0], (models[1] if len(models) > 1 else None)
+
+  def _is_row(self, path) -> bool:
+    """Whether a leaf of the slot state has one row per slot: all but a chain's parents [K],
+    which are the same for every request."""
+    return self.tree is not None or not any(getattr(p, "name", None) == "parents" for p in path)
+
+  def _map_rows(self, fn, rows, *rest):
+    """fn over the per-slot leaves; other leaves come from the last tree given."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, *xs: fn(*xs) if self._is_row(path) else xs[-1], rows, *rest)
 
   def _constrain(self, rows: dict) -> dict:
     rows = dict(rows)
@@ -185,8 +204,9 @@ class Engine:
         self._new_row, states, jnp.zeros((1, self.buckets[0]), jnp.int32),
         jnp.ones((1,), jnp.int32), params, jnp.zeros((1, self.max_stop_ids), jnp.int32),
         jnp.ones((1,), jnp.int32), jnp.zeros((), jnp.uint32))
-    rows = jax.tree.map(lambda s: jnp.zeros((B,) + s.shape[1:] if s.ndim and s.shape[0] == 1
-                                            else s.shape, s.dtype), row)
+    rows = self._map_rows(lambda s: jnp.zeros((B,) + s.shape[1:], s.dtype), row)
+    rows = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct)
+                        else x, rows)
     rows["result"] = dataclasses.replace(rows["result"], done=jnp.ones((B,), bool))
     rows["stop_ids"] = jnp.full_like(rows["stop_ids"], plain.NO_STOP)
     rows["params"] = dataclasses.replace(rows["params"], top_p=jnp.ones((B,), jnp.float32))
@@ -194,20 +214,16 @@ class Engine:
 
   def _insert(self, states, rows, key, slot, prompt, length, params, stop_ids, max_tokens, seed):
     new = self._new_row(states, prompt, length, params, stop_ids, max_tokens, seed)
-    B = self.slots
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype),
+                                                                 slot, axis=0)
+    return self._constrain(self._map_rows(put, rows, new)), key
 
-    def put(big, small):
-      if big.ndim and big.shape[0] == B and small.shape == (1,) + big.shape[1:]:
-        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
-      return small  # not a per-row leaf (a chain's parents [K]): the same for every request
-
-    return self._constrain(jax.tree.map(put, rows, new)), key
-
-  def _step(self, states, rows, key, release):
+  def _step(self, states, all_rows, key, release, *, n: int):
+    """Runs the first n slots (a batch bucket); the others are left as they are."""
     target, draft = self._models(states)
-    rows = self._constrain(rows)
+    rows = self._constrain(self._map_rows(lambda x: x[:n], all_rows))
     result = rows["result"]
-    result = dataclasses.replace(result, done=result.done | release)
+    result = dataclasses.replace(result, done=result.done | release[:n])
     done0 = result.done
     stop = lambda out, new, n: sampling.append(out, new, n, rows["stop_ids"], rows["max_tokens"],
                                                self.pad_id)
@@ -241,7 +257,8 @@ class Engine:
     report = dict(window=window, num_new=num_new, done=result.done)
     if draft is not None:
       report.update(rounds=rows["stats"].rounds, accepted=rows["stats"].accepted)
-    return self._constrain(rows), key, report
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, 0, axis=0)
+    return self._constrain(self._map_rows(put, all_rows, rows)), key, report
 
   def compile(self, progress: Callable[[str], None] | None = None) -> float:
     """Compiles the step and every prompt bucket's insert; returns the seconds it took."""
@@ -251,9 +268,11 @@ class Engine:
     self._slots_state = jax.jit(self._init)(self._states)
     rows, key = self._slots_state
     release = jax.device_put(np.zeros((self.slots,), bool))
-    note("step")
-    self._exes["step"] = jax.jit(self._step, donate_argnums=(1,)).lower(
-        self._states, rows, key, release).compile()
+    for n in self.batch_buckets:
+      note(f"step batch {n}")
+      self._exes["step", n] = jax.jit(functools.partial(self._step, n=n),
+                                      donate_argnums=(1,)).lower(
+          self._states, rows, key, release).compile()
     insert = jax.jit(self._insert, donate_argnums=(1,))
     for b in self.buckets:
       note(f"prefill bucket {b}")
@@ -273,6 +292,10 @@ class Engine:
 
   def bucket(self, n: int) -> int:
     return next(b for b in self.buckets if b >= n)
+
+  def batch_bucket(self, busy: int) -> int:
+    """The step program for slots [0, busy): the smallest batch bucket holding them."""
+    return next(n for n in self.batch_buckets if n >= busy)
 
   # ---------------------------------------------------------------------------------------------
   # Host side
@@ -346,19 +369,26 @@ class Engine:
 
   def _loop(self) -> None:
     pending = None
+    # Slots whose request was cancelled: marked done by the next step (kept until one runs).
+    release = np.zeros((self.slots,), bool)
     while not self._stop:
-      release = np.zeros((self.slots,), bool)
       for b, h in enumerate(self._owner):
         if h is not None and h.cancelled:
           self._owner[b], release[b] = None, True
           self.released += 1
       self._admit(release)
       if self.active:
+        # Released slots are in the step too, so their rows get marked done.
+        busy = 1 + max(b for b in range(self.slots) if self._owner[b] is not None or release[b])
+        n = self.batch_bucket(busy)
         rows, key = self._slots_state
-        rows, key, report = self._exes["step"](self._states, rows, key, jax.device_put(release))
+        rows, key, report = self._exes["step", n](self._states, rows, key,
+                                                  jax.device_put(release))
+        release = np.zeros((self.slots,), bool)
         self._slots_state = rows, key
         self.steps += 1
-        current = (report, list(self._owner))
+        self.steps_by_batch[n] += 1
+        current = (report, list(self._owner[:n]))
       else:
         current = None
       if pending is not None:

@@ -145,6 +145,7 @@ def create_app(server: Server) -> FastAPI:
     return {"status": "ok", "compile_seconds": server.compile_seconds,
             "active": server.engine.active, "slots": server.engine.slots,
             "released": server.engine.released, "steps": server.engine.steps,
+            "steps_by_batch": {str(n): c for n, c in server.engine.steps_by_batch.items()},
             "finished": server.engine.finished, "spec_rounds": server.engine.spec_rounds,
             "spec_accepted": server.engine.spec_accepted}
 
