@@ -108,8 +108,17 @@ def _serve(mode, slots):
   raise RuntimeError("server not ready after an hour")
 
 
+def _host() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+  except (OSError, StopIteration):
+    model = "unknown CPU"
+  return f"{model}, {os.cpu_count()} cores"
+
+
 def _report(rows, device):
-  lines = [f"# Serving benchmark ({device})", "",
+  lines = [f"# Serving benchmark ({device}; host {_host()})", "",
            f"Embedded target + draft, greedy, prompt {_PROMPT_LEN.value} tokens, "
            f"{_MAX_TOKENS.value} new tokens, {_PER_USER.value} requests per user, "
            f"--rounds {_ROUNDS.value}. `python benchmarks/serving.py`", "",
