@@ -32,7 +32,8 @@ def _run(engine, prompts, max_tokens):
   for i, (p, n) in enumerate(zip(prompts, max_tokens)):
     engine.submit(p, callback(i), max_tokens=n)
   for i, d in enumerate(done):
-    assert d.wait(WAIT_S), f"request {i} did not finish in {WAIT_S} s (engine error: {engine.error})"
+    assert d.wait(WAIT_S), f"request {i} did not finish in {WAIT_S} s"
+  assert engine.error is None, engine.error  # a failed engine ends every request with an error
   return out
 
 
@@ -59,6 +60,26 @@ def test_a_lone_request_runs_the_batch_one_step_and_more_grow_the_batch(loaded):
                             stop_tokens=loaded.stop_tokens)
     assert many == ref.tokens
     assert engine.error is None and engine.active == 0
+    # A device call that fails ends the running and the waiting requests with an error event
+    # (none hangs), and the engine refuses new ones with the reason.
+    def broken(*args):
+      raise RuntimeError("device lost")
+    for n in engine.batch_buckets:
+      engine._exes["step", n] = broken
+    events = []
+    finished = threading.Event()
+
+    def on_event(event):
+      events.append(event)
+      if len(events) == 2:
+        finished.set()
+    for p in prompts[:2]:
+      engine.submit(p, on_event, max_tokens=4)
+    assert finished.wait(WAIT_S)
+    assert [e.finish_reason for e in events] == ["error", "error"]
+    assert "device lost" in repr(engine.error)
+    with pytest.raises(RuntimeError, match="device lost"):
+      engine.submit(prompts[0], on_event)
   finally:
     engine.shutdown()
 
@@ -79,3 +100,32 @@ def test_speculative_k1_chain(loaded):
     assert engine.spec_rounds > 0 and engine.error is None
   finally:
     engine.shutdown()
+
+
+@pytest.mark.parametrize("layout,mesh_kw", [("ep", dict(expert=4, tensor=2))])
+def test_sharded_speculative_engine(loaded, layout, mesh_kw):
+  """A model and draft sharded on a mesh of 8 serve unchanged (slot rows over the batch axes where
+  a bucket divides them, replicated where not): greedy tokens equal single-device plain decoding."""
+  from maverick import sharding
+  tok = loaded.tokenizer
+  mesh = sharding.make_mesh(**mesh_kw)
+  sharded = maverick.load("tiny", mesh=mesh, layout=layout)
+  draft = sharding.shard_model(spec_decode.load_draft("tiny", sharded.model), mesh, layout)
+  engine = Engine(sharded.model, draft, k=3, slots=4, max_seq_len=32, rounds=2, min_bucket=16,
+                  batch_buckets=[1], stop_tokens=loaded.stop_tokens)
+  engine.start()
+  try:
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\n", "class Stack:")]
+    lone = _run(engine, prompts[:1], [8])
+    many = _run(engine, prompts, [11, 6, 9])
+    assert sorted(engine.steps_by_batch) == [1, 4]
+    assert engine.steps_by_batch[1] > 0 and engine.steps_by_batch[4] > 0, engine.steps_by_batch
+  finally:
+    engine.shutdown()
+  assert engine.error is None
+  ref = maverick.generate(loaded.model, prompts, max_new_tokens=[11, 6, 9],
+                          stop_tokens=loaded.stop_tokens)
+  assert many == ref.tokens
+  ref = maverick.generate(loaded.model, prompts[:1], max_new_tokens=8,
+                          stop_tokens=loaded.stop_tokens)
+  assert lone == ref.tokens

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from maverick import generate as plain
 from maverick import kernels as kernels_lib
@@ -163,11 +164,28 @@ class Engine:
         lambda path, *xs: fn(*xs) if self._is_row(path) else xs[-1], rows, *rest)
 
   def _constrain(self, rows: dict) -> dict:
+    """Pins every leaf of the slot state to one sharding (caches as generate's, other per-slot
+    leaves split over the batch axes, the rest replicated): the init, insert and step programs are
+    compiled ahead of time for those input shardings, so their outputs must come back in them."""
     rows = dict(rows)
-    rows["cache"] = sharding.constrain_cache(rows["cache"], self.plan)
+    caches = {"cache": rows.pop("cache")}
+    caches["cache"] = sharding.constrain_cache(caches["cache"], self.plan)
     if "dcache" in rows:
-      rows["dcache"] = sharding.constrain_cache(rows["dcache"], sharding.plan_of(self.draft))
-    return rows
+      caches["dcache"] = sharding.constrain_cache(rows.pop("dcache"), sharding.plan_of(self.draft))
+    if self.plan is not None:
+      mesh = self.plan.mesh
+
+      def pin(path, x):
+        spec = (PartitionSpec(self.plan.batch_axis(x.shape[0])) if x.ndim and self._is_row(path)
+                else PartitionSpec())
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+      rows = jax.tree_util.tree_map_with_path(pin, rows)
+    return dict(rows, **caches)
+
+  def _pin_key(self, key):
+    if self.plan is None:
+      return key
+    return jax.lax.with_sharding_constraint(key, NamedSharding(self.plan.mesh, PartitionSpec()))
 
   def _new_row(self, states, prompt, length, params, stop_ids, max_tokens, seed):
     """One request's row (batch 1): prefill, first token, (draft prefill and candidates)."""
@@ -210,13 +228,13 @@ class Engine:
     rows["result"] = dataclasses.replace(rows["result"], done=jnp.ones((B,), bool))
     rows["stop_ids"] = jnp.full_like(rows["stop_ids"], plain.NO_STOP)
     rows["params"] = dataclasses.replace(rows["params"], top_p=jnp.ones((B,), jnp.float32))
-    return self._constrain(rows), jax.random.key(0)
+    return self._constrain(rows), self._pin_key(jax.random.key(0))
 
   def _insert(self, states, rows, key, slot, prompt, length, params, stop_ids, max_tokens, seed):
     new = self._new_row(states, prompt, length, params, stop_ids, max_tokens, seed)
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype),
                                                                  slot, axis=0)
-    return self._constrain(self._map_rows(put, rows, new)), key
+    return self._constrain(self._map_rows(put, rows, new)), self._pin_key(key)
 
   def _step(self, states, all_rows, key, release, *, n: int):
     """Runs the first n slots (a batch bucket); the others are left as they are."""
@@ -258,7 +276,7 @@ class Engine:
     if draft is not None:
       report.update(rounds=rows["stats"].rounds, accepted=rows["stats"].accepted)
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, 0, axis=0)
-    return self._constrain(self._map_rows(put, all_rows, rows)), key, report
+    return self._constrain(self._map_rows(put, all_rows, rows)), self._pin_key(key), report
 
   def compile(self, progress: Callable[[str], None] | None = None) -> float:
     """Compiles the step and every prompt bucket's insert; returns the seconds it took."""
@@ -304,6 +322,9 @@ class Engine:
              max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_tokens: Sequence[int] | None = None) -> Handle:
     """Validates and queues a request (ValueError, before it touches a slot, when it cannot run)."""
+    if self.error is not None:
+      raise RuntimeError(f"the engine stopped on an error and serves no more requests: "
+                         f"{self.error!r}")
     cfg = self.config
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -362,10 +383,17 @@ class Engine:
       self._loop()
     except BaseException as e:  # noqa: BLE001  (reported to every open request)
       self.error = e
-      for h in self._owner:
-        if h is not None and not h.finished:
-          h.finished = True
-          h.callback(Event([], True, "error", time.perf_counter()))
+      self._fail_open_requests()
+
+  def _fail_open_requests(self) -> None:
+    """After an engine error: every running and waiting request ends with an "error" event."""
+    waiting = []
+    while not self._waiting.empty():
+      waiting.append(self._waiting.get())
+    for h in [h for h in self._owner if h is not None] + waiting:
+      if not h.finished:
+        h.finished = True
+        h.callback(Event([], True, "error", time.perf_counter()))
 
   def _loop(self) -> None:
     pending = None

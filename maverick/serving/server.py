@@ -236,6 +236,8 @@ def create_app(server: Server) -> FastAPI:
     except ValueError as e:
       param = "max_tokens" if "max_tokens" in str(e) else None
       raise ApiError(400, str(e), param) from None
+    except RuntimeError as e:  # the engine stopped on an error (also reported by /health)
+      raise ApiError(500, str(e), kind="server_error") from None
     detok = Detokenizer(server.tokenizer, handle.stop_ids, stops)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     obj = "chat.completion" if chat else "text_completion"
