@@ -38,7 +38,7 @@ def stream(model, prompt: Sequence[int], *, chunk_tokens: int = 16, max_new_toke
   """Yields the continuation of ONE prompt chunk by chunk; speculative when `draft` is given
   (an EAGLE-3 draft head, `k` tokens per round, or a draft `tree` shape where spec_decode has
   tree drafting). Arguments as for `maverick.generate`."""
-  from maverick import generate as plain
+  from maverick import generation as plain
   if chunk_tokens < 1:
     raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
   if max_new_tokens < 1:

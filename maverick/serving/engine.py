@@ -12,7 +12,7 @@ changing its parameters never recompiles:
     slots in a `lax.while_loop` that leaves as soon as a slot finishes, and returns the tokens each
     slot produced since the last step (a [slots, W] window) with counts and done flags.
 
-The loop bodies are `maverick.generate.decode_round` and `spec_decode.speculative.round_fns`,
+The loop bodies are `maverick.generation.decode_round` and `spec_decode.speculative.round_fns`,
 the same code `maverick.generate` and `spec_decode.generate` run. Free slots are rows marked done:
 they compute (fixed shapes) but commit nothing.
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maverick import generate as plain
+from maverick import generation as plain
 from maverick import kernels as kernels_lib
 from maverick import sampling
 from maverick import sharding
