@@ -15,7 +15,7 @@ The public surface is small:
 adds the XLA flags that keep the generate loops on the GPU (`maverick.gpu_flags`) unless jax's
 backend has already started.
 
-The modules are layered, bottom to top (pallas_kernels, config, numerics, model, sharding,
+The modules are layered, bottom to top (pallas_kernels, config, primitives, model, sharding,
 checkpoint formats, loading, generation, spec_decode, applications): a module imports only its own
 layer or lower. ARCHITECTURE.md at the repository root describes the layers; maverick/layers.py
 is the table tests/test_layering.py checks.

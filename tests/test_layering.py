@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
 import textwrap
 
 from maverick import layers
@@ -149,6 +150,16 @@ def test_the_import_graph_is_layered():
   assert len(mods) > 50 and len(edges) > 100  # the parser found the code
   problems = check(mods, edges)
   assert not problems, "the import graph breaks the layering:\n" + "\n".join(problems)
+
+
+def test_architecture_md_describes_the_table():
+  """ARCHITECTURE.md's table row of each layer names exactly that layer's entries."""
+  rows = (REPO / "ARCHITECTURE.md").read_text().splitlines()
+  for i, (name, _, entries) in enumerate(layers.LAYERS):
+    row = [r for r in rows if r.startswith(f"| {i} | {name} |")]
+    assert len(row) == 1, f"ARCHITECTURE.md has no table row for layer {i} {name!r}"
+    listed = re.findall(r"`([^`]+)`", row[0].split("|")[3])
+    assert sorted(listed) == sorted(entries), (name, listed, entries)
 
 
 # ----------------------------------------------------------------------------------------------
