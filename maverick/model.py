@@ -310,8 +310,8 @@ class Attention(nnx.Module):
   def project(self, x_btd, positions_bt):
     """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""
     mm = lambda w, s, i: contraction.einsum("btd,dhk->bthk", x_btd, w[...], _value(s), self.quant,
-                                          kernels=self.kernels, placement=_placement(self, w),
-                                          input_scale=_value(i))
+                                            kernels=self.kernels, placement=_placement(self, w),
+                                            input_scale=_value(i))
     q = mm(self.q, self.q_scale, self.q_input_scale)
     k = mm(self.k, self.k_scale, self.k_input_scale)
     v = mm(self.v, self.v_scale, self.v_input_scale)
@@ -329,8 +329,8 @@ class Attention(nnx.Module):
 
   def output(self, out_bthk):
     return contraction.einsum("bthk,hkd->btd", out_bthk, self.o[...], _value(self.o_scale),
-                            self.quant, kernels=self.kernels, placement=_placement(self, self.o),
-                            input_scale=_value(self.o_input_scale))
+                              self.quant, kernels=self.kernels, placement=_placement(self, self.o),
+                              input_scale=_value(self.o_input_scale))
 
 
 class MLP(nnx.Module):
@@ -507,9 +507,9 @@ class Llama4(nnx.Module):
     q = self.config.quant
     if self.config.tie_word_embeddings:
       return contraction.einsum("...d,vd->...v", x, self.embed[...], _value(self.embed_scale), q,
-                              kernels=self.kernels, placement=_placement(self, self.embed))
+                                kernels=self.kernels, placement=_placement(self, self.embed))
     return contraction.einsum("...d,dv->...v", x, self.lm_head[...], _value(self.lm_head_scale), q,
-                            kernels=self.kernels, placement=_placement(self, self.lm_head))
+                              kernels=self.kernels, placement=_placement(self, self.lm_head))
 
   def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,

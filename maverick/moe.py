@@ -35,7 +35,7 @@ def route(x_nd: jax.Array, router_de: jax.Array, k: int, *, router_scale=None, q
   Returns (expert ids [N, k], scores [N, k], router logits [N, E]). `router_scale` [E]: the router
   is FP8 (see maverick.quant.einsum)."""
   logits = contraction.einsum("nd,de->ne", x_nd, router_de, router_scale, quant,
-                            input_scale=router_input_scale)
+                              input_scale=router_input_scale)
   top_logits, top_idx = jax.lax.top_k(logits, k)
   scores = jax.nn.sigmoid(top_logits.astype(jnp.float32)).astype(x_nd.dtype)
   return top_idx, scores, logits
@@ -180,7 +180,7 @@ def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl,
   if impl == "tiles" and N * k <= E:
     def mm(a, w, s, si):
       return contraction.einsum("ad,adf->af", a, w[e], None if s is None else s[e], quant,
-                              out_dtype=jnp.float32, input_scale=si)
+                                out_dtype=jnp.float32, input_scale=si)
     h = (jax.nn.silu(mm(z, weights[0], scales[0], input_scales[0]))
          * mm(z, weights[1], scales[1], input_scales[1]))
     y = mm(h.astype(x_nd.dtype), weights[2], scales[2], input_scales[2])
