@@ -527,7 +527,7 @@ def run_e2e(toy: bool, interpret: bool, kernels_list, modes, budget: Budget, loo
   import jax
   from flax import nnx
 
-  from maverick import generate as plain
+  from maverick import generation as plain
   from maverick import kernels as kernels_lib
   from maverick import model as model_lib
   from maverick import profiling

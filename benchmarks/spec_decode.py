@@ -70,7 +70,7 @@ def _round_breakdown(loaded, draft, k, prompt, repeats):
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from maverick import generate as plain
+  from maverick import generation as plain
   from maverick import sampling
   from spec_decode.speculative import _features, draft_chain
   from spec_decode.verify import verify_chain
@@ -173,7 +173,7 @@ def main(argv):
   from tqdm import tqdm
   import maverick
   import spec_decode
-  from maverick.generate import generate
+  from maverick.generation import generate
 
   loaded = maverick.load(_TARGET.value)
   draft = spec_decode.load_draft(_DRAFT.value or _TARGET.value, loaded.model)

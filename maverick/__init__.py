@@ -9,11 +9,16 @@ The public surface is small:
     draft = spec_decode.load_draft("tiny", loaded.model)
     out = spec_decode.generate(loaded.model, draft, prompts, k=3)          # EAGLE-3 speculative
 
-`maverick.generate` is both the generation module (`maverick.generate.prepare`, ...) and callable as
-the function `maverick.generate.generate`. Kernels live in `pallas_kernels`, speculative decoding in
+`maverick.generate` is the function `maverick.generation.generate` (the generation module holds
+`prepare`, `compiled_generate`, ...). Kernels live in `pallas_kernels`, speculative decoding in
 `spec_decode`. Importing `maverick` does not import jax (CLI --help stays instant); on a CUDA host it
 adds the XLA flags that keep the generate loops on the GPU (`maverick.gpu_flags`) unless jax's
 backend has already started.
+
+The modules are layered, bottom to top (pallas_kernels, config, primitives, model, sharding,
+checkpoint formats, loading, generation, spec_decode, applications): a module imports only its own
+layer or lower. ARCHITECTURE.md at the repository root describes the layers; maverick/layers.py
+is the table tests/test_layering.py checks.
 """
 
 __version__ = "0.1.0"
@@ -35,6 +40,6 @@ def __getattr__(name):
     from maverick import loading
     return getattr(loading, name)
   if name == "generate":
-    import importlib
-    return importlib.import_module("maverick.generate")  # a callable module (see its end)
+    from maverick.generation import generate
+    return generate
   raise AttributeError(f"module 'maverick' has no attribute {name!r}")

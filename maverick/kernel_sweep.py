@@ -28,6 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from maverick import config as config_lib
+import pallas_kernels
+from pallas_kernels import decode_attention, gemm, grouped_gemm, prefill_attention
+from pallas_kernels.decode_attention import plan as da_plan
+from pallas_kernels.gemm import plan as gemm_plan
+from pallas_kernels.grouped_gemm import plan as gg_plan
+from pallas_kernels.prefill_attention import plan as pa_plan
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 127, 128, 129, 256, 512, 768, 1000, 2048, 4096, 8192)
 TPS = (1, 4, 8)
@@ -127,20 +133,16 @@ def plan(case: Case):
   """The op planner's Plan for the case."""
   p = case.p
   if case.op == "gemm":
-    from pallas_kernels.gemm import plan as gemm_plan
     dt = jnp.dtype(p["dtype"])
     return gemm_plan.plan(case.m, p["n"], p["k"], dt, dt, w_layout=p["layout"], arch=case.arch)
   if case.op == "grouped_gemm":
-    from pallas_kernels.grouped_gemm import plan as gg_plan
     dt = jnp.dtype(p["dtype"])
     return gg_plan.plan(p["rows"], p["experts"], p["n"], p["k"], dt, dt, scaled=dt == FP8,
                         num_weights=2 if p["swiglu"] else 1,
                         w_layout="enk" if dt == FP8 else "ekn", arch=case.arch)
   if case.op == "prefill_attention":
-    from pallas_kernels.prefill_attention import plan as pa_plan
     return pa_plan.plan(case.m, p["heads"], p["kv_heads"], p["head_dim"], arch=case.arch,
                         interpreting=False)
-  from pallas_kernels.decode_attention import plan as da_plan
   return da_plan.plan(p["queries"], p["heads"], p["kv_heads"], p["head_dim"], p["cache"],
                       jnp.dtype(p["kv_dtype"]), tree_size=p["tree"], arch=case.arch,
                       interpreting=False)
@@ -187,10 +189,8 @@ def _sds(shape, dtype):
 
 def lower(case: Case) -> str:
   """Lowers the op's public API with implementation="pallas" for case.arch (raises on failure)."""
-  import pallas_kernels
   p = case.p
   if case.op == "gemm":
-    from pallas_kernels import gemm
     dt, n, k = jnp.dtype(p["dtype"]), p["n"], p["k"]
     w = _sds((n, k) if p["layout"] == "nk" else (k, n), dt)
     if dt == FP8:
@@ -200,7 +200,6 @@ def lower(case: Case) -> str:
       fn = lambda x, w: gemm.gemm(x, w, w_layout=p["layout"], implementation="pallas")
       args = (_sds((case.m, k), dt), w)
   elif case.op == "grouped_gemm":
-    from pallas_kernels import grouped_gemm
     dt, a, e, n, k = jnp.dtype(p["dtype"]), p["rows"], p["experts"], p["n"], p["k"]
     fp8 = dt == FP8
     w = _sds((e, n, k) if fp8 else (e, k, n), dt)
@@ -218,14 +217,12 @@ def lower(case: Case) -> str:
                                            implementation="pallas")
       args = (_sds((a, k), dt), w, gs, *scales)
   elif case.op == "prefill_attention":
-    from pallas_kernels import prefill_attention
     h, kv, dh = p["heads"], p["kv_heads"], p["head_dim"]
     fn = lambda q, k, v: prefill_attention.prefill_attention(
         q, k, v, chunk_size=p["chunk"], implementation="pallas")
     args = (_sds((1, case.m, h, dh), BF16), _sds((1, case.m, kv, dh), BF16),
             _sds((1, case.m, kv, dh), BF16))
   else:
-    from pallas_kernels import decode_attention
     t, h, kv, dh, s = p["queries"], p["heads"], p["kv_heads"], p["head_dim"], p["cache"]
     kvd = jnp.dtype(p["kv_dtype"])
     r = p["tree"]

@@ -22,8 +22,8 @@ support on those LOCAL shapes: column-parallel projections produce their local o
 row-parallel ones (o, down) contract their local slice and end with one psum over the contracted
 mesh axes (the layer's one all-reduce, as GSPMD emits on the XLA path), attention runs on the
 local q / KV heads and rows. The sharded MoE is already a shard_map: it calls these helpers on
-local shapes with no plan. `placement` / `plan` arguments are duck-typed (`sharding.Plan`): this
-module does not import maverick.sharding (it imports the model).
+local shapes with no plan. `placement` / `plan` arguments are a `sharding_plan.Plan` (duck-typed:
+only its mesh, rules, spec and batch_axis are used), passed in by the model.
 """
 
 from __future__ import annotations
@@ -36,9 +36,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from maverick.quant import ops as quant_ops
 from pallas_kernels import common
+from pallas_kernels import decode_attention as decode
 from pallas_kernels import gemm as gemm_lib
+from pallas_kernels import grouped_gemm
+from pallas_kernels import prefill_attention as prefill
 from pallas_kernels import selfcheck
+from pallas_kernels.decode_attention import api as decode_api
 
 # Probe tolerance (max |kernel - XLA| / max |XLA|): every kernel output is bf16 (2^-9 relative
 # rounding per element) and both sides accumulate in f32 in different orders; 2e-2 leaves room
@@ -76,7 +81,6 @@ def cache_capacity(capacity: int, *models) -> int:
   that kernel here: the kernel takes only caches of whole blocks, and speculative capacities
   (prompt bucket + steps + K + 1 slack) never are. Unchanged where only XLA runs (a CPU), so
   CPU programs keep their shapes."""
-  from pallas_kernels.decode_attention import api as decode_api
   block = decode_api.BLOCK_KV
   if common.runnable_arch() is None or all(kernels_of(m) == "xla" for m in models):
     return capacity
@@ -158,7 +162,6 @@ def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, plan, w_axes):
   split like w's, x's rows over the plan's batch axes; a sharded contraction (row-parallel o,
   down) ends with one psum. FP8 activations are then quantized per token over the LOCAL slice
   (a finer scale than the XLA path's whole-row one, as in the sharded MoE)."""
-  from maverick.quant import ops as quant_ops
   xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
   w_spec = plan.spec(w_axes)
   by_letter = dict(zip(ws, w_spec))
@@ -188,7 +191,6 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
     return None
   if placement is not None:
     return _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, *placement)
-  from maverick.quant import ops as quant_ops  # local: quant.ops calls into this module
   xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
   contracted = "".join(c for c in xs if c in ws and c not in out)
   n_c = len(contracted)
@@ -241,8 +243,6 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   no gather path."""
   if kernels == "xla":
     return None
-  from pallas_kernels import grouped_gemm
-  from maverick.quant import ops as quant_ops  # local: quant.ops calls into this module
   N, D = x_nd.shape
   k = top_idx.shape[-1]
   E = gate_edf.shape[0]
@@ -321,7 +321,6 @@ def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None, plan
     q_spec, kv_spec = _head_specs(plan, q.shape[0])
     local = lambda q_, k_, v_: prefill_attention(q_, k_, v_, chunk_size, kernels)
     return _on_shards(plan, local, (q, k, v), (q_spec, kv_spec, kv_spec), q_spec)
-  from pallas_kernels import prefill_attention as prefill
   ok = prefill.pallas_support(q, k, v)[0]
 
   def run(implementation, q, k, v):
@@ -361,7 +360,6 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
     specs = (q_spec, kv_spec, kv_spec, P(rows, None), [P(rows, None, kv_spec[2])] * len(names),
              [P(rows, *([None] * (a.ndim - 1))) for a in tree_leaves])
     return _on_shards(plan, local, args, specs, q_spec)
-  from pallas_kernels import decode_attention as decode
   ok = (decode.pallas_support(q, k_cache, None if tree is None else tree.positions.shape[1])[0]
         and q.shape[1] <= 64)
   names = ["k_scale", "v_scale"] if kv_scales else []

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from maverick import quant as quant_lib
+from maverick.quant import ops as quant_lib
 from maverick.config import Config
 
 # Logical axes of one layer's K or V, for sharding rules (batch, sequence, kv heads, head dim).

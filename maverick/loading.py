@@ -13,6 +13,7 @@ from maverick import sharding as sharding_lib
 from maverick import tokenizer as tokenizer_lib
 from maverick.checkpoint import store
 from maverick.checkpoint.hf import CheckpointError
+from maverick.quant import convert as quant_convert
 
 RANDOM_PREFIX = "random:"
 # Models shipped inside the package: name -> directory in our checkpoint format.
@@ -124,5 +125,4 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_fi
 def _quantized(model, quant, moe_impl):
   if quant is None:
     return model
-  from maverick import quant as quant_lib  # noqa: PLC0415  (imports the checkpoint code)
-  return quant_lib.quantize_model(model, quant, moe_impl=moe_impl)
+  return quant_convert.quantize_model(model, quant, moe_impl=moe_impl)

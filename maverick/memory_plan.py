@@ -37,6 +37,9 @@ from maverick import model as model_lib
 from maverick import sampling
 from maverick import sharding
 from maverick.config import Config
+from spec_decode import draft as draft_lib
+from spec_decode import speculative
+from spec_decode.verify import Candidates, chain_parents, verify_chain
 
 GB = 1e9
 # Usable HBM per device (decimal GB): DGX B200 lists 180 GB per GPU, H200 141 GB.
@@ -180,7 +183,6 @@ def static_scale_bytes(scales: dict, quant: str) -> int:
 
 def nvidia_eagle3(cfg: Config):
   """NVIDIA's EAGLE-3 head for `cfg` (see the module docstring; MLP width assumed)."""
-  from spec_decode import draft as draft_lib
   return draft_lib.Eagle3Config.for_target(cfg, draft_vocab_size=cfg.vocab_size,
                                            dtype="bfloat16")
 
@@ -228,9 +230,6 @@ def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: in
                     quant: str = "bf16", draft_config=None) -> Report:
   """One EAGLE-3 round: target verify over K+1 tokens (capturing the aux features), draft extend
   over the verified positions, K chained draft steps; greedy."""
-  from spec_decode import draft as draft_lib  # spec_decode depends on maverick, not the reverse
-  from spec_decode import speculative as spec
-  from spec_decode.verify import Candidates, chain_parents, verify_chain
   dcfg = draft_config or nvidia_eagle3(cfg)
   target = model_lib.abstract_model(cfg)
   draft = draft_lib.abstract_draft(dcfg)
@@ -264,10 +263,10 @@ def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: in
                  capture_layers=dcfg.aux_layer_ids)
     n, nxt = verify_chain(out.logits, cand, params, key)
     emitted = jnp.concatenate([cand_tokens, nxt[:, None]], axis=1)
-    dout = draft(emitted, draft.fuse(spec._features(out.hidden)), target.embed[...],
+    dout = draft(emitted, draft.fuse(speculative._features(out.hidden)), target.embed[...],
                  cache=sharding.constrain_cache(dcache, plan).with_lengths(L), logits_at=n)
-    new, dcache = spec.draft_chain(draft, dout.logits, dout.hidden, dout.cache, L + n + 1,
-                                   target.embed[...], params, key, k=k, vocab=V)
+    new, dcache = speculative.draft_chain(draft, dout.logits, dout.hidden, dout.cache, L + n + 1,
+                                          target.embed[...], params, key, k=k, vocab=V)
     return (n, nxt, new.tokens, sharding.constrain_cache(out.cache, plan),
             sharding.constrain_cache(dcache, plan))
 

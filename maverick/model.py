@@ -25,9 +25,12 @@ from flax import nnx
 from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
 from maverick import moe
-from maverick import quant as quant_lib
-from maverick import sharding
+from maverick.quant import config as quant_config
+from maverick.quant import contraction
+from maverick.quant import ops as quant_lib
+from maverick import sharding_plan
 from maverick.config import Config
+from maverick.moe import swiglu
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -49,7 +52,7 @@ def weight(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dty
 
 def linear_weight(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, *,
                   in_axes: Sequence[int] = (0,), name: str,
-                  quant: quant_lib.QuantConfig | None, fan_in: int | None = None) -> tuple[nnx.Param, nnx.Param | None]:
+                  quant: quant_config.QuantConfig | None, fan_in: int | None = None) -> tuple[nnx.Param, nnx.Param | None]:
   """A weight contracted over `in_axes`, and its scale param or None.
 
   When `quant` quantizes `name` (see maverick.quant.config) the weight is stored float8_e4m3fn
@@ -69,7 +72,7 @@ def linear_weight(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | Non
           nnx.Param(s, logical_axes=out_axes))
 
 
-def input_scale_param(quant: quant_lib.QuantConfig | None, name: str) -> nnx.Param | None:
+def input_scale_param(quant: quant_config.QuantConfig | None, name: str) -> nnx.Param | None:
   """The static activation scale of FP8 weight `name` (f32 scalar, a placeholder 1.0 until a
   checkpoint sets it) when `quant.activations == "static_per_tensor"`, else None."""
   if quant is None or not quant.static_activations or not quant.quantizes(name):
@@ -84,7 +87,7 @@ def _value(p):
 def _placement(module, param):
   """(plan, the weight's logical axes as stored) on a sharded model, else None: a kernel call
   then runs on each device's shard of the weight (maverick.kernels)."""
-  plan = sharding.plan_of(module)
+  plan = sharding_plan.plan_of(module)
   return None if plan is None else (plan, param.get_metadata()["logical_axes"])
 
 
@@ -217,21 +220,6 @@ def chunked_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int)
   return out.reshape(B, n * chunk, H, Dh)[:, :T]
 
 
-def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array,
-           scales=(None, None, None), quant=None, kernels: str | None = "xla",
-           placements=(None, None, None), input_scales=(None, None, None)) -> jax.Array:
-  """scales: per-output-channel scales of FP8 gate/up/down (None for an unquantized weight);
-  placements: the weights' kernel placements on a sharded model (see `_placement`);
-  input_scales: their static activation scales (quant activations "static_per_tensor")."""
-  mm = functools.partial(quant_lib.einsum, kernels=kernels)
-  g = mm("...d,df->...f", x, gate_df, scales[0], quant, placement=placements[0],
-         input_scale=input_scales[0])
-  u = mm("...d,df->...f", x, up_df, scales[1], quant, placement=placements[1],
-         input_scale=input_scales[1])
-  return mm("...f,fd->...d", jax.nn.silu(g) * u, down_fd, scales[2], quant,
-            placement=placements[2], input_scale=input_scales[2])
-
-
 # ----------------------------------------------------------------------------------------------
 # Modules
 # ----------------------------------------------------------------------------------------------
@@ -300,7 +288,7 @@ class Attention(nnx.Module):
           kv_scales = dict(k_scale=new_cache[2], v_scale=new_cache[3])
         out = kernels_lib.cache_attention(q, new_cache[0], new_cache[1], positions_bt,
                                           self.chunk_size, tree, kv_scales, self.kernels,
-                                          sharding.plan_of(self))
+                                          sharding_plan.plan_of(self))
         if out is None:
           mask = cache_mask(positions_bt, new_cache[0].shape[1], self.chunk_size, tree)
           out = attention(q, new_cache[0], new_cache[1], mask, **kv_scales)
@@ -310,7 +298,7 @@ class Attention(nnx.Module):
     T = x_btd.shape[1]
     if positions_from_zero:
       out = kernels_lib.prefill_attention(q, k, v, self.chunk_size, self.kernels,
-                                          sharding.plan_of(self))
+                                          sharding_plan.plan_of(self))
       if out is not None:
         return self.output(out), new_cache
     if positions_from_zero and self.chunk_size is not None and T > self.chunk_size:
@@ -321,9 +309,9 @@ class Attention(nnx.Module):
 
   def project(self, x_btd, positions_bt):
     """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""
-    mm = lambda w, s, i: quant_lib.einsum("btd,dhk->bthk", x_btd, w[...], _value(s), self.quant,
-                                          kernels=self.kernels, placement=_placement(self, w),
-                                          input_scale=_value(i))
+    mm = lambda w, s, i: contraction.einsum("btd,dhk->bthk", x_btd, w[...], _value(s), self.quant,
+                                            kernels=self.kernels, placement=_placement(self, w),
+                                            input_scale=_value(i))
     q = mm(self.q, self.q_scale, self.q_input_scale)
     k = mm(self.k, self.k_scale, self.k_input_scale)
     v = mm(self.v, self.v_scale, self.v_input_scale)
@@ -340,16 +328,16 @@ class Attention(nnx.Module):
     return q, k, v
 
   def output(self, out_bthk):
-    return quant_lib.einsum("bthk,hkd->btd", out_bthk, self.o[...], _value(self.o_scale),
-                            self.quant, kernels=self.kernels, placement=_placement(self, self.o),
-                            input_scale=_value(self.o_input_scale))
+    return contraction.einsum("bthk,hkd->btd", out_bthk, self.o[...], _value(self.o_scale),
+                              self.quant, kernels=self.kernels, placement=_placement(self, self.o),
+                              input_scale=_value(self.o_input_scale))
 
 
 class MLP(nnx.Module):
   """SwiGLU: dense layers use intermediate_size_mlp, the shared expert intermediate_size."""
 
   def __init__(self, dim: int, width: int, dtype, rngs: nnx.Rngs, axis: str = "mlp", *,
-               quant: quant_lib.QuantConfig | None = None, name: str = ""):
+               quant: quant_config.QuantConfig | None = None, name: str = ""):
     """quant/name: the model's quant config and this MLP's weight-name prefix (FP8 storage)."""
     lw = functools.partial(linear_weight, rngs, dtype=dtype, quant=quant)
     self.gate, self.gate_scale = lw((dim, width), ("embed", axis), name=name + "gate")
@@ -400,19 +388,19 @@ class MoE(nnx.Module):
     x = x_btd.reshape(B * T, D)
     scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
     input_scales = tuple(_value(getattr(self, f"{p}_input_scale")) for p in ("gate", "up", "down"))
-    plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
+    plan = sharding_plan.plan_of(self)  # set by sharding.shard_model
     if plan is not None and not self.record_balance_loss:
       shared = (self.shared.gate[...], self.shared.up[...], self.shared.down[...])
       shared_scales = (_value(self.shared.gate_scale), _value(self.shared.up_scale),
                        _value(self.shared.down_scale))
-      y = sharding.sharded_moe(plan, x, self.router[...], self.gate[...], self.up[...],
-                               self.down[...], shared, top_k=self.top_k, impl=self.impl,
-                               router_scale=_value(self.router_scale), scales=scales,
-                               shared_scales=shared_scales, quant=self.quant,
-                               kernels=self.kernels,
-                               router_input_scale=_value(self.router_input_scale),
-                               input_scales=input_scales,
-                               shared_input_scales=self.shared.input_scales())
+      y = moe.sharded_moe(plan, x, self.router[...], self.gate[...], self.up[...],
+                          self.down[...], shared, top_k=self.top_k, impl=self.impl,
+                          router_scale=_value(self.router_scale), scales=scales,
+                          shared_scales=shared_scales, quant=self.quant,
+                          kernels=self.kernels,
+                          router_input_scale=_value(self.router_input_scale),
+                          input_scales=input_scales,
+                          shared_input_scales=self.shared.input_scales())
       return y.reshape(B, T, D)
     top_idx, scores, logits = moe.route(x, self.router[...], self.top_k,
                                         router_scale=_value(self.router_scale), quant=self.quant,
@@ -518,10 +506,10 @@ class Llama4(nnx.Module):
     x = self.final_norm(x_btd)
     q = self.config.quant
     if self.config.tie_word_embeddings:
-      return quant_lib.einsum("...d,vd->...v", x, self.embed[...], _value(self.embed_scale), q,
-                              kernels=self.kernels, placement=_placement(self, self.embed))
-    return quant_lib.einsum("...d,dv->...v", x, self.lm_head[...], _value(self.lm_head_scale), q,
-                            kernels=self.kernels, placement=_placement(self, self.lm_head))
+      return contraction.einsum("...d,vd->...v", x, self.embed[...], _value(self.embed_scale), q,
+                                kernels=self.kernels, placement=_placement(self, self.embed))
+    return contraction.einsum("...d,dv->...v", x, self.lm_head[...], _value(self.lm_head_scale), q,
+                              kernels=self.kernels, placement=_placement(self, self.lm_head))
 
   def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,

@@ -1,4 +1,6 @@
-"""Sparse mixture-of-experts dispatch (the XLA path).
+"""Sparse mixture-of-experts dispatch: routing, the experts (XLA path, or the Pallas grouped GEMM
+through maverick.kernels), the SwiGLU FFN, and the sharded MoE (`sharded_moe`, inside shard_map on
+a model carrying a sharding plan).
 
 Only the selected experts' work is computed: token assignments are sorted by expert, each expert's rows
 are cut into tiles of `tile_m` rows, and one matmul runs per non-empty tile against that expert's weight.
@@ -11,12 +13,17 @@ Glossary: N tokens, A = N*k assignments, E experts, D model, F expert width.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
-from maverick import quant as quant_lib
+from maverick import kernels as kernels_lib
+from maverick.quant import contraction
+from maverick.quant import ops as quant_lib
+from maverick.sharding_plan import Plan
 
 MOE_IMPLS = ("tiles", "ragged_dot")
 
@@ -27,8 +34,8 @@ def route(x_nd: jax.Array, router_de: jax.Array, k: int, *, router_scale=None, q
   """Llama 4 routing: top-k of the RAW router logits, sigmoid score (no softmax, no renorm).
   Returns (expert ids [N, k], scores [N, k], router logits [N, E]). `router_scale` [E]: the router
   is FP8 (see maverick.quant.einsum)."""
-  logits = quant_lib.einsum("nd,de->ne", x_nd, router_de, router_scale, quant,
-                            input_scale=router_input_scale)
+  logits = contraction.einsum("nd,de->ne", x_nd, router_de, router_scale, quant,
+                              input_scale=router_input_scale)
   top_logits, top_idx = jax.lax.top_k(logits, k)
   scores = jax.nn.sigmoid(top_logits.astype(jnp.float32)).astype(x_nd.dtype)
   return top_idx, scores, logits
@@ -138,7 +145,6 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   quantized = scales is not None and any(s is not None for s in scales)
   static = quantized and quant is not None and quant.static_activations
   if kernels != "xla" and not static:
-    from maverick import kernels as kernels_lib  # local: it imports pallas_kernels lazily too
     y = kernels_lib.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels,
                                 scales=scales if quantized else None, quant=quant)
     if y is not None:
@@ -173,8 +179,8 @@ def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl,
   e = top_idx.reshape(-1)
   if impl == "tiles" and N * k <= E:
     def mm(a, w, s, si):
-      return quant_lib.einsum("ad,adf->af", a, w[e], None if s is None else s[e], quant,
-                              out_dtype=jnp.float32, input_scale=si)
+      return contraction.einsum("ad,adf->af", a, w[e], None if s is None else s[e], quant,
+                                out_dtype=jnp.float32, input_scale=si)
     h = (jax.nn.silu(mm(z, weights[0], scales[0], input_scales[0]))
          * mm(z, weights[1], scales[1], input_scales[1]))
     y = mm(h.astype(x_nd.dtype), weights[2], scales[2], input_scales[2])
@@ -203,3 +209,96 @@ def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl,
   y = mm(h, weights[2], scales[2], input_scales[2]).astype(x_nd.dtype)
   token = order // k
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
+
+
+def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array,
+           scales=(None, None, None), quant=None, kernels: str | None = "xla",
+           placements=(None, None, None), input_scales=(None, None, None)) -> jax.Array:
+  """scales: per-output-channel scales of FP8 gate/up/down (None for an unquantized weight);
+  placements: the weights' kernel placements on a sharded model (see `_placement`);
+  input_scales: their static activation scales (quant activations "static_per_tensor")."""
+  mm = functools.partial(contraction.einsum, kernels=kernels)
+  g = mm("...d,df->...f", x, gate_df, scales[0], quant, placement=placements[0],
+         input_scale=input_scales[0])
+  u = mm("...d,df->...f", x, up_df, scales[1], quant, placement=placements[1],
+         input_scale=input_scales[1])
+  return mm("...f,fd->...d", jax.nn.silu(g) * u, down_fd, scales[2], quant,
+            placement=placements[2], input_scale=input_scales[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded MoE
+# ----------------------------------------------------------------------------------------------
+def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared, *, top_k: int,
+                impl: str, router_scale=None, scales=(None, None, None),
+                shared_scales=(None, None, None), quant=None, kernels: str | None = "xla",
+                router_input_scale=None, input_scales=(None, None, None),
+                shared_input_scales=(None, None, None)):
+  """Llama 4 MoE (routed + shared expert) inside shard_map with one psum at the end.
+
+  shared: (gate [D,F], up [D,F], down [F,D]) of the shared expert. FP8 weights come with their
+  per-output-channel scales (router [E], experts (gate [E,F], up [E,F], down [E,D]), shared (gate
+  [F], up [F], down [D])), sharded like the output axis of their weight; None = unquantized.
+  `kernels` (maverick.kernels): the grouped GEMM and shared-expert GEMM kernels run here, in the
+  shard_map, on the local experts / expert widths. Static FP8 activation scales (router, experts
+  (gate, up, down), shared (gate, up, down); f32 scalars) are replicated: quantizing with one
+  global scalar is elementwise, so every shard quantizes its slice exactly as one device would."""
+  rows = plan.batch_axis(x_nd.shape[0])
+  ex, tp = plan.rules["experts"], plan.rules["expert_mlp"]
+  # Rows split over the expert axis (data-parallel attention) are gathered before routing, every
+  # shard runs its experts on all of them, and a reduce-scatter returns each shard its rows.
+  dp_experts = ex is not None and ex in ((rows,) if isinstance(rows, str) else (rows or ()))
+  reduce_axes = tuple(a for a in (ex, tp) if a is not None and plan.size(a) > 1
+                      and not (dp_experts and a == ex))
+  P = PartitionSpec
+
+  def local(x_own, router, gate, up, down, sg, su, sd, r_scale, e_scales, s_scales, statics):
+    r_in, e_in, s_in = statics
+    x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
+    top_idx, scores, _ = route(x, router, top_k, router_scale=r_scale, quant=quant,
+                               router_input_scale=r_in)
+    if ex is not None:
+      e_local = gate.shape[0]
+      first = jax.lax.axis_index(ex) * e_local
+      idx = top_idx - first
+      mine = (idx >= 0) & (idx < e_local)
+      # Another shard's assignment: score 0 (input * 0 contributes exactly 0). The grouped path
+      # sorts it past the last local expert, where no tile computes it; the gather path (few
+      # tokens) just reads local expert 0.
+      gathered = impl == "tiles" and x.shape[0] * top_k <= e_local
+      top_idx = jnp.where(mine, idx, 0 if gathered else e_local)
+      scores = jnp.where(mine, scores, jnp.zeros_like(scores))
+    y = moe_experts(x, top_idx, scores, gate, up, down, impl=impl, scales=e_scales,
+                    quant=quant, kernels=kernels, input_scales=e_in)
+    if dp_experts:  # own rows, summed over expert shards; the shared expert on own rows only
+      y = jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True)
+      s = swiglu(x_own, sg, su, sd, s_scales, quant, kernels, input_scales=s_in)
+    else:
+      s = swiglu(x, sg, su, sd, s_scales, quant, kernels, input_scales=s_in)
+      if ex is not None:  # every expert shard has the shared expert's slice: count it once
+        s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
+    return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s
+
+  scale_specs = lambda ss, specs: tuple(None if s is None else p for s, p in zip(ss, specs))
+
+  def w_spec(declared, scale):  # an FP8 weight is stored K-major: its input axis moved last
+    if scale is None:
+      return P(*declared)
+    return P(*(declared[i] for i in quant_lib.kmajor_order(len(declared), (len(declared) - 2,))))
+
+  e_gate, e_up, e_down = scales
+  s_gate, s_up, s_down = shared_scales
+  statics = (router_input_scale, tuple(input_scales), tuple(shared_input_scales))
+  static_specs = jax.tree.map(lambda _: P(), statics)
+  f = jax.shard_map(
+      local, mesh=plan.mesh,
+      in_specs=(P(rows, None), P(None, None),
+                w_spec((ex, None, tp), e_gate), w_spec((ex, None, tp), e_up),
+                w_spec((ex, tp, None), e_down), w_spec((None, tp), s_gate),
+                w_spec((None, tp), s_up), w_spec((tp, None), s_down),
+                None if router_scale is None else P(None),
+                scale_specs(scales, (P(ex, tp), P(ex, tp), P(ex, None))),
+                scale_specs(shared_scales, (P(tp), P(tp), P(None))), static_specs),
+      out_specs=P(rows, None), check_vma=False)
+  return f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared, router_scale, tuple(scales),
+           tuple(shared_scales), statics)

@@ -15,52 +15,31 @@ over expert groups too) whenever they divide it. The MoE runs inside `shard_map`
 sharded: each device routes its tokens, runs its local experts (an assignment to another device's
 expert gets score 0, so it contributes exactly nothing) and the shared expert's slice, then ONE psum
 over tensor (tp), or an all-gather of the rows before routing and a reduce-scatter after (ep), ends
-the layer. Attention and the dense MLP are left to GSPMD, which emits one all-reduce after each
-output projection. Where a Pallas kernel runs (maverick.kernels), the call sits in its own
+the layer (maverick.moe.sharded_moe). Attention and the dense MLP are left to GSPMD, which emits
+one all-reduce after each output projection. Where a Pallas kernel runs (maverick.kernels), the call sits in its own
 shard_map on the local shards instead (row-parallel projections end with the psum GSPMD would
 emit), so the collectives per layer stay the same.
 
-A sharded model carries its `Plan` (mesh + layout) as a static attribute, so `generate` and the
-speculative loop place requests and caches from it without new arguments.
+A sharded model carries its `Plan` (mesh + layout; maverick.sharding_plan, below the model, which
+reads it) as a static attribute, so `generate` and the speculative loop place requests and caches
+from it without new arguments.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from maverick.quant import ops as quant_ops
-
-# logical axis -> mesh axis (or None = replicated)
-Rules = Mapping[str, str | tuple[str, ...] | None]
-
-REPLICATED: Rules = {}
-AXES = ("data", "expert", "tensor")
-LAYOUTS = ("tp", "ep")
-PLAN_ATTR = "sharding_plan"
-
-_COMMON = {"batch": "data", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-           "vocab": "tensor", "expert_mlp": "tensor"}
-LAYOUT_RULES: dict[str, Rules] = {
-    "tp": dict(_COMMON, experts=None),
-    # Data-parallel attention: rows over data AND expert, gathered into the MoE and scattered back.
-    "ep": dict(_COMMON, experts="expert", batch=("data", "expert")),
-}
-
-
-class ShardingError(ValueError):
-  """A mesh or layout that does not fit the devices or the model."""
-
-
-def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
-  return PartitionSpec(*(None if a is None else rules.get(a) for a in axes))
+from maverick.model import MoE
+# The plan's names live below the model (which reads the plan); maverick.sharding re-exports them.
+from maverick.sharding_plan import (AXES, LAYOUT_RULES, LAYOUTS, PLAN_ATTR, REPLICATED, Plan, Rules,
+                                    ShardingError, logical_to_spec, plan_of)
 
 
 def state_shardings(abstract_state: nnx.State, mesh: Mesh | None = None,
@@ -104,52 +83,6 @@ def make_mesh(*, data: int = 1, expert: int = 1, tensor: int | None = None,
                         f"the {n} devices; make the sizes multiply to {n} or pass devices=")
   grid = np.asarray(devices, dtype=object).reshape(data, expert, tensor)
   return Mesh(grid, AXES)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """Mesh + layout: hashable, so it can sit in a module's static graph definition."""
-  mesh: Mesh
-  layout: str = "tp"
-
-  def __post_init__(self):
-    if self.layout not in LAYOUTS:
-      raise ShardingError(f"unknown layout {self.layout!r}; choose one of {LAYOUTS}")
-    if tuple(self.mesh.axis_names) != AXES:
-      raise ShardingError(f"mesh axes must be {AXES} (use sharding.make_mesh), got "
-                          f"{tuple(self.mesh.axis_names)}")
-    if self.layout == "tp" and self.size("expert") > 1:
-      raise ShardingError(f"layout 'tp' splits every expert over 'tensor' and has no use for an "
-                          f"expert axis of size {self.size('expert')}; use layout='ep' or put "
-                          "those devices on tensor/data")
-
-  @property
-  def rules(self) -> Rules:
-    return LAYOUT_RULES[self.layout]
-
-  def size(self, axis: str) -> int:
-    return int(self.mesh.shape[axis])
-
-  def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
-    return logical_to_spec(logical_axes, self.rules)
-
-  def named(self, logical_axes: Sequence[str | None]) -> NamedSharding:
-    return NamedSharding(self.mesh, self.spec(logical_axes))
-
-  def batch_axis(self, batch: int) -> str | tuple[str, ...] | None:
-    """The mesh axes rows are split over: the layout's batch axes (ep: data x expert, so attention
-    runs data-parallel across expert groups) when their size divides the rows, else `data` when it
-    does, else none (every device runs all rows: correct, only slower)."""
-    rule = self.rules["batch"]
-    for axes in ((rule,) if isinstance(rule, str) else tuple(rule), ("data",)):
-      axes = tuple(a for a in axes if self.size(a) > 1)
-      if axes and batch % math.prod(self.size(a) for a in axes) == 0:
-        return axes[0] if len(axes) == 1 else axes
-    return None
-
-
-def plan_of(module) -> Plan | None:
-  return getattr(module, PLAN_ATTR, None)
 
 
 def check_model_fits(cfg, plan: Plan, what: str = "model"):
@@ -224,7 +157,6 @@ def attach_plan(model, plan: Plan | None):
   """Marks the model and its layers (every module with a `kernels` switch, and the MoE) with the
   plan: a static attribute, part of the graphdef. The MoE shards itself from it and the kernel
   calls run per shard under shard_map from it (maverick.kernels); `kernels` is left as set."""
-  from maverick.model import MoE  # model imports this module
   setattr(model, PLAN_ATTR, plan)
   for _, m in nnx.iter_graph(model):
     if isinstance(m, MoE) or hasattr(m, "kernels"):
@@ -264,86 +196,6 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
   from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-# ----------------------------------------------------------------------------------------------
-# Sharded MoE
-# ----------------------------------------------------------------------------------------------
-def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared, *, top_k: int,
-                impl: str, router_scale=None, scales=(None, None, None),
-                shared_scales=(None, None, None), quant=None, kernels: str | None = "xla",
-                router_input_scale=None, input_scales=(None, None, None),
-                shared_input_scales=(None, None, None)):
-  """Llama 4 MoE (routed + shared expert) inside shard_map with one psum at the end.
-
-  shared: (gate [D,F], up [D,F], down [F,D]) of the shared expert. FP8 weights come with their
-  per-output-channel scales (router [E], experts (gate [E,F], up [E,F], down [E,D]), shared (gate
-  [F], up [F], down [D])), sharded like the output axis of their weight; None = unquantized.
-  `kernels` (maverick.kernels): the grouped GEMM and shared-expert GEMM kernels run here, in the
-  shard_map, on the local experts / expert widths. Static FP8 activation scales (router, experts
-  (gate, up, down), shared (gate, up, down); f32 scalars) are replicated: quantizing with one
-  global scalar is elementwise, so every shard quantizes its slice exactly as one device would."""
-  from maverick import moe  # avoid a cycle at import time
-  from maverick.model import swiglu
-  rows = plan.batch_axis(x_nd.shape[0])
-  ex, tp = plan.rules["experts"], plan.rules["expert_mlp"]
-  # Rows split over the expert axis (data-parallel attention) are gathered before routing, every
-  # shard runs its experts on all of them, and a reduce-scatter returns each shard its rows.
-  dp_experts = ex is not None and ex in ((rows,) if isinstance(rows, str) else (rows or ()))
-  reduce_axes = tuple(a for a in (ex, tp) if a is not None and plan.size(a) > 1
-                      and not (dp_experts and a == ex))
-  P = PartitionSpec
-
-  def local(x_own, router, gate, up, down, sg, su, sd, r_scale, e_scales, s_scales, statics):
-    r_in, e_in, s_in = statics
-    x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
-    top_idx, scores, _ = moe.route(x, router, top_k, router_scale=r_scale, quant=quant,
-                                   router_input_scale=r_in)
-    if ex is not None:
-      e_local = gate.shape[0]
-      first = jax.lax.axis_index(ex) * e_local
-      idx = top_idx - first
-      mine = (idx >= 0) & (idx < e_local)
-      # Another shard's assignment: score 0 (input * 0 contributes exactly 0). The grouped path
-      # sorts it past the last local expert, where no tile computes it; the gather path (few
-      # tokens) just reads local expert 0.
-      gathered = impl == "tiles" and x.shape[0] * top_k <= e_local
-      top_idx = jnp.where(mine, idx, 0 if gathered else e_local)
-      scores = jnp.where(mine, scores, jnp.zeros_like(scores))
-    y = moe.moe_experts(x, top_idx, scores, gate, up, down, impl=impl, scales=e_scales,
-                        quant=quant, kernels=kernels, input_scales=e_in)
-    if dp_experts:  # own rows, summed over expert shards; the shared expert on own rows only
-      y = jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True)
-      s = swiglu(x_own, sg, su, sd, s_scales, quant, kernels, input_scales=s_in)
-    else:
-      s = swiglu(x, sg, su, sd, s_scales, quant, kernels, input_scales=s_in)
-      if ex is not None:  # every expert shard has the shared expert's slice: count it once
-        s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
-    return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s
-
-  scale_specs = lambda ss, specs: tuple(None if s is None else p for s, p in zip(ss, specs))
-
-  def w_spec(declared, scale):  # an FP8 weight is stored K-major: its input axis moved last
-    if scale is None:
-      return P(*declared)
-    return P(*(declared[i] for i in quant_ops.kmajor_order(len(declared), (len(declared) - 2,))))
-
-  e_gate, e_up, e_down = scales
-  s_gate, s_up, s_down = shared_scales
-  statics = (router_input_scale, tuple(input_scales), tuple(shared_input_scales))
-  static_specs = jax.tree.map(lambda _: P(), statics)
-  f = jax.shard_map(
-      local, mesh=plan.mesh,
-      in_specs=(P(rows, None), P(None, None),
-                w_spec((ex, None, tp), e_gate), w_spec((ex, None, tp), e_up),
-                w_spec((ex, tp, None), e_down), w_spec((None, tp), s_gate),
-                w_spec((None, tp), s_up), w_spec((tp, None), s_down),
-                None if router_scale is None else P(None),
-                scale_specs(scales, (P(ex, tp), P(ex, tp), P(ex, None))),
-                scale_specs(shared_scales, (P(tp), P(tp), P(None))), static_specs),
-      out_specs=P(rows, None), check_vma=False)
-  return f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared, router_scale, tuple(scales),
-           tuple(shared_scales), statics)
 
 
 # ----------------------------------------------------------------------------------------------

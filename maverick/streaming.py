@@ -22,6 +22,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+import spec_decode
+from maverick import generation as plain
+
 
 @dataclasses.dataclass
 class Chunk:
@@ -38,7 +41,6 @@ def stream(model, prompt: Sequence[int], *, chunk_tokens: int = 16, max_new_toke
   """Yields the continuation of ONE prompt chunk by chunk; speculative when `draft` is given
   (an EAGLE-3 draft head, `k` tokens per round, or a draft `tree` shape where spec_decode has
   tree drafting). Arguments as for `maverick.generate`."""
-  from maverick import generate as plain
   if chunk_tokens < 1:
     raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
   if max_new_tokens < 1:
@@ -56,7 +58,6 @@ def stream(model, prompt: Sequence[int], *, chunk_tokens: int = 16, max_new_toke
     if draft is None:
       out = plain.generate(model, [context], max_new_tokens=n, seed=(seed + i) % 2**32, **kw)
     else:
-      import spec_decode  # sibling package, only when speculating
       shape = {} if tree is None else {"tree": tree}
       out = spec_decode.generate(model, draft, [context], k=k, max_new_tokens=n,
                                  seed=(seed + i) % 2**32, **shape, **kw)

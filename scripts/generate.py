@@ -114,7 +114,7 @@ def main(argv):
   from maverick.config import ConfigError
   from maverick import kernels as kernels_lib
   from maverick import sharding
-  from maverick.generate import generate
+  from maverick.generation import generate
   from maverick.tokenizer import TokenizerError
   import spec_decode
   from spec_decode.draft import DraftConfigError

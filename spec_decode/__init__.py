@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from maverick import hub
 from spec_decode.checkpoint import (
     export_eagle3, import_eagle3, is_native_draft, load_draft as load_native_draft, save_draft)
 from spec_decode.draft import DraftConfigError, Eagle3Config, Eagle3Draft, init_draft
@@ -34,7 +35,6 @@ def load_draft(source: str, target=None, *, dtype: str | None = None) -> Eagle3D
   """
   tcfg = None if target is None else target.config
   path = EMBEDDED_DRAFTS.get(source, source)
-  from maverick import hub
   path = hub.resolve(path)  # a Hugging Face repo id -> its snapshot in the HF cache
   if not os.path.isdir(path):
     raise FileNotFoundError(f"draft {source!r} is not a directory; pass a draft saved by "

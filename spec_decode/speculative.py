@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maverick import generate as plain
+from maverick import generation as plain
 from maverick import kernels as kernels_lib
 from maverick import sampling
 from maverick import sharding
@@ -250,7 +250,7 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
              stop_tokens=None, max_cache_len: int | None = None,
              pad_id: int | None = None) -> SpecGeneration:
   """Speculative generation with an EAGLE-3 draft: same arguments and output as
-  `maverick.generate.generate`, plus acceptance statistics. Lossless: greedy output equals plain
+  `maverick.generate`, plus acceptance statistics. Lossless: greedy output equals plain
   greedy output, and sampled output has the target's distribution.
 
   k: chain drafting, k draft tokens per round. tree: EAGLE-2 dynamic tree drafting instead
@@ -263,7 +263,7 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
     k, slack = None, tree.cache_slack
   elif not (isinstance(k, (int, np.integer)) and k >= 1):
     raise ValueError(f"speculative decoding needs k >= 1 draft tokens per round, got k={k}; use "
-                     "maverick.generate.generate (or --spec_k 0) for plain decoding")
+                     "maverick.generate (or --spec_k 0) for plain decoding")
   elif k > MAX_DRAFT_DEPTH:
     raise ValueError(f"k={k} draft tokens per round is past the limit of {MAX_DRAFT_DEPTH} "
                      f"(--spec_k): deeper drafts are almost never accepted and each costs a "

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from maverick import generate as plain
+from maverick import generation as plain
 from maverick import model as model_lib
 from maverick import train as train_lib
 from spec_decode.draft import Buffer, Eagle3Config, Eagle3Draft, init_draft

@@ -63,7 +63,7 @@ def _release_compiled_programs():
   yield
   import gc
   import sys
-  for name in ("maverick.generate", "spec_decode.speculative"):
+  for name in ("maverick.generation", "spec_decode.speculative"):
     if name in sys.modules:
       sys.modules[name]._EXECUTABLES.clear()
   if "jax" in sys.modules:  # a module that never imported jax has nothing to drop

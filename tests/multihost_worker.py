@@ -20,7 +20,7 @@ def main(process_id, num_processes, port, checkpoint, out_json, prompts_json):
   import jax
 
   import maverick
-  from maverick import generate as gen
+  from maverick import generation as gen
   assert jax.process_count() == int(num_processes), jax.process_count()
   mesh = sharding.make_mesh(data=4, tensor=2)  # one global mesh over both processes' devices
   model = maverick.load(checkpoint, mesh=mesh, layout="tp").model

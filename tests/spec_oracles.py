@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maverick import generate as plain
+from maverick import generation as plain
 from maverick import model as model_lib
 from maverick.model import token_positions
 from spec_decode import draft as draft_lib

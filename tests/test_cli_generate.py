@@ -10,7 +10,7 @@ import pytest
 
 import maverick
 from maverick.checkpoint import CheckpointError, convert_hf_to_orbax
-from maverick.generate import generate
+from maverick.generation import generate
 from test_tokenizer import _build as build_test_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from flax import nnx
 import maverick
 from maverick import data, evaluation
 from maverick import model as model_lib
-from maverick.generate import generate
+from maverick.generation import generate
 from maverick.loading import EMBEDDED
 
 ASSET = EMBEDDED["tiny"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maverick import generate as gen
+from maverick import generation as gen
 from maverick import model as model_lib
 
 

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from test_checkpoint import _assert_no_output, _cli, _one_line_error, np_forward
 
 import maverick
-from maverick import generate as gen
+from maverick import generation as gen
 from maverick import model as model_lib
 from maverick import quant
 from maverick.checkpoint import CheckpointError, convert_hf_to_orbax, load_hf, load_orbax

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import maverick
-from maverick import generate as gen
+from maverick import generation as gen
 from maverick import sharding
 from maverick.checkpoint import convert_hf_to_orbax
 from param_utils import single_device_env

@@ -14,7 +14,7 @@ from flax import nnx
 from param_utils import assert_same_params, flat_params
 
 from maverick import config as config_lib
-from maverick import generate as gen
+from maverick import generation as gen
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
 from maverick import quant

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from maverick import config as config_lib
-from maverick import generate as gen
+from maverick import generation as gen
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
 from maverick import sharding

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from maverick import config as config_lib
-from maverick import generate as plain
+from maverick import generation as plain
 from maverick import model as model_lib
 from spec_decode import draft as draft_lib
 from spec_decode import speculative as spec

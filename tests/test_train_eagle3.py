@@ -58,7 +58,7 @@ def _tc(**kw):
 
 
 def test_generated_sequences_are_target_greedy(fixture_model):
-  from maverick.generate import generate
+  from maverick.generation import generate
   seqs = _sequences(fixture_model, n=4)
   assert seqs.shape == (4, 32)
   again = generate(fixture_model, seqs[:, :8], max_new_tokens=24, stop_tokens=[]).tokens

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maverick import generate as plain
+from maverick import generation as plain
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
 from spec_decode import draft as draft_lib

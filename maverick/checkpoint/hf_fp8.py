@@ -28,9 +28,10 @@ from tqdm import tqdm
 
 from maverick import config as config_lib
 from maverick import model as model_lib
-from maverick import quant as quant_lib
-from maverick.quant import convert as quant_convert
-from maverick.checkpoint import hf
+from maverick import weights
+from maverick.quant import config as quant_config
+from maverick.quant import ops as quant_ops
+from maverick.checkpoint import hf, parts
 from maverick.checkpoint.hf import CheckpointError, Path
 
 FP8_CODE = "F8_E4M3"
@@ -112,7 +113,7 @@ def _scale_name(name: str) -> str:
 
 def _quant_names(cfg: config_lib.Config) -> dict[Path, str]:
   """Our parameter path -> quant name, for every weight the model can store in FP8."""
-  every = cfg.replace(quant=quant_lib.QuantConfig(skip=()))
+  every = cfg.replace(quant=quant_config.QuantConfig(skip=()))
   _, abstract = nnx.split(model_lib.abstract_model(every))
   return {p: v.get_metadata()["quant_name"] for p, v in nnx.to_flat_state(abstract)
           if "quant_name" in v.get_metadata()}
@@ -193,8 +194,8 @@ def _check_scale(st: _Stored, name: str, shape, weight: str):
 
 def _checked_fp8(name: str, q: np.ndarray) -> np.ndarray:
   try:
-    quant_lib.check_finite(name, q)
-  except quant_lib.QuantError as e:
+    quant_ops.check_finite(name, q)
+  except quant_ops.QuantError as e:
     raise CheckpointError(str(e)) from None
   return q
 
@@ -223,10 +224,10 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, hf_dir: str
   dtype = jnp.dtype(cfg.dtype)
   st = _Stored(ckpt)
   names = _quant_names(cfg)
-  every_fp8 = cfg.replace(quant=quant_lib.QuantConfig(skip=()))
+  every_fp8 = cfg.replace(quant=quant_config.QuantConfig(skip=()))
   abstract_every = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.split(
       model_lib.abstract_model(every_fp8))[1])}
-  in_axes = quant_convert.fp8_declarations(every_fp8)
+  in_axes = weights.fp8_declarations(every_fp8)
   F, E = cfg.intermediate_size, cfg.num_local_experts
   items: list[Item] = []
   fp8_paths: set[Path] = set()
@@ -285,8 +286,8 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, hf_dir: str
                           "does not match its config.json")
   quant = None
   if fp8_paths:
-    quant = quant_lib.QuantConfig(weights="fp8", activations=activations,
-                                  skip=_skip_list(names, fp8_paths), activation_scale_ub=ub)
+    quant = quant_config.QuantConfig(weights="fp8", activations=activations,
+                                     skip=_skip_list(names, fp8_paths), activation_scale_ub=ub)
   new_cfg = cfg.replace(quant=quant)
   if quant is not None:
     declared = {p for p, n in names.items() if quant.quantizes(n)}
@@ -306,8 +307,7 @@ def _first_expert(fused: str) -> str:
 
 
 def _part(path: Path) -> str:
-  from maverick.checkpoint.store import part_of
-  return part_of(path)
+  return parts.part_of(path)
 
 
 def _bf16_build(stored, src: hf.Source, dtype):
@@ -326,7 +326,7 @@ def _fp8_build(stored, stored_scale, src: hf.Source, cut, scale_shape, in_axes):
     s = _checked_scale(stored_scale, raw[stored_scale])
     out = {}
     for i, t in enumerate(src.targets):
-      out[t.path] = np.ascontiguousarray(quant_lib.to_kmajor(t.transform(q), in_axes[t.path]))
+      out[t.path] = np.ascontiguousarray(quant_ops.to_kmajor(t.transform(q), in_axes[t.path]))
       sp = t.path[:-1] + (f"{t.path[-1]}_scale",)
       out[sp] = (s if cut is None else cut(s, i)).reshape(scale_shape(t.path)).astype(np.float32)
     return out
@@ -399,15 +399,14 @@ def iter_params(ckpt: hf.SafetensorsCheckpoint, items: list[Item], *, progress: 
 
 def iter_parts(ckpt, items, *, progress: bool = False, place=lambda x: x):
   """(part, {key in part: place(array)}), a part at a time (the items are sorted by part)."""
-  from maverick.checkpoint.store import _part_key, part_of
   current, flat = None, {}
   for path, x in iter_params(ckpt, items, progress=progress):
-    part = part_of(path)
+    part = parts.part_of(path)
     if part != current and flat:
       yield current, flat
       flat = {}
     current = part
-    flat[_part_key(path)] = place(x)
+    flat[parts.part_key(path)] = place(x)
     del x
   if flat:
     yield current, flat

@@ -34,10 +34,11 @@ from flax import nnx
 
 from maverick import config as config_lib
 from maverick import model as model_lib
-from maverick import quant as quant_lib
+from maverick import weights
+from maverick.quant import config as quant_config
+from maverick.quant import ops as quant_ops
 from maverick.checkpoint import hf, hf_fp8
 from maverick.checkpoint.hf import CheckpointError
-from maverick.quant import convert as quant_convert
 
 QUANT_CONFIG_FILE = "hf_quant_config.json"
 # The ModelOpt algorithms other loaders read; only FP8 (per-tensor) is imported here.
@@ -180,16 +181,17 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, mo: ModelOptCon
   are validated, then dropped)."""
   _check_algos(mo)
   activations = activations or "static_per_tensor"
-  if activations not in quant_lib.ACTIVATION_MODES:
-    raise CheckpointError(f"activations {activations!r}: use one of {quant_lib.ACTIVATION_MODES}")
+  if activations not in quant_config.ACTIVATION_MODES:
+    raise CheckpointError(
+        f"activations {activations!r}: use one of {quant_config.ACTIVATION_MODES}")
   static = activations == "static_per_tensor"
   dtype = jnp.dtype(cfg.dtype)
   st = hf_fp8._Stored(ckpt)
   names = hf_fp8._quant_names(cfg)
-  every = cfg.replace(quant=quant_lib.QuantConfig(skip=()))
+  every = cfg.replace(quant=quant_config.QuantConfig(skip=()))
   abstract = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.split(
       model_lib.abstract_model(every))[1])}
-  in_axes = quant_convert.fp8_declarations(every)
+  in_axes = weights.fp8_declarations(every)
   items: list[hf_fp8.Item] = []
   fp8_paths: set = set()
   missing = []
@@ -257,7 +259,7 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, mo: ModelOptCon
                           "does not match its config.json")
   quant = None
   if fp8_paths:
-    quant = quant_lib.QuantConfig(
+    quant = quant_config.QuantConfig(
         weights="fp8", activations=activations,
         kv_cache="fp8" if mo.kv_cache_quant_algo == "FP8" else None,
         skip=hf_fp8._skip_list(names, fp8_paths))
@@ -296,8 +298,8 @@ def _fp8_build(stored, ws, ins, src: hf.Source, abstract, in_axes, static: bool)
     si = _positive(ins, raw[ins])
     out = {}
     for t in src.targets:
-      out[t.path] = np.ascontiguousarray(quant_lib.to_kmajor(t.transform(q), in_axes[t.path]))
-      sp = quant_convert.scale_path(t.path)
+      out[t.path] = np.ascontiguousarray(quant_ops.to_kmajor(t.transform(q), in_axes[t.path]))
+      sp = weights.scale_path(t.path)
       out[sp] = np.full(abstract[sp].shape, s, np.float32)
       if static:
         out[t.path[:-1] + (f"{t.path[-1]}_input_scale",)] = np.asarray(si, np.float32)

@@ -29,7 +29,9 @@ from tqdm import tqdm
 from maverick import config as config_lib
 from maverick import model as model_lib
 from maverick import sharding as sharding_lib
+from maverick import weights
 from maverick.checkpoint import hf, hf_fp8, hf_modelopt
+from maverick.checkpoint.parts import full_path, part_key, part_of
 from maverick.checkpoint.hf import CheckpointError
 
 FORMAT = "maverick-orbax/2"
@@ -39,18 +41,6 @@ FORMAT_V1 = "maverick-orbax/1"
 META_FILE = "maverick.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
-
-
-def part_of(path: tuple) -> str:
-  if path[0] == "layers":
-    return f"layer_{int(path[1]):03d}"
-  return "embed" if path[0] in ("embed", "embed_scale") else "head"
-
-
-def _part_key(path: tuple) -> tuple[str, ...]:
-  """Path of a parameter inside its part's pytree."""
-  rest = path[2:] if path[0] == "layers" else path
-  return tuple(str(p) for p in rest)
 
 
 def _nest(flat: Mapping[tuple[str, ...], object]) -> dict:
@@ -71,11 +61,6 @@ def _flatten(tree: Mapping, prefix=()) -> dict[tuple[str, ...], object]:
     else:
       out[prefix + (k,)] = v
   return out
-
-
-def _param_paths(cfg: config_lib.Config) -> dict[tuple, jax.ShapeDtypeStruct]:
-  _, abstract = nnx.split(model_lib.abstract_model(cfg))
-  return {p: v.get_value() for p, v in nnx.to_flat_state(abstract)}
 
 
 def _process_alive(pid: int) -> bool:
@@ -202,7 +187,7 @@ def _hf_parts(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, dtype, pro
         flat = {}
       current = part
       for path, x in hf.iter_params(ckpt, cfg, dtype, order=[(stored, src)]):
-        flat[_part_key(path)] = host_array(x)
+        flat[part_key(path)] = host_array(x)
         del x
       bar.update(1)
     if flat:
@@ -243,7 +228,7 @@ def save_orbax(model: model_lib.Llama4, out_dir: str, *, overwrite: bool = False
   _, state = nnx.split(model)
   by_part: dict[str, dict] = {}
   for path, var in nnx.to_flat_state(state):
-    by_part.setdefault(part_of(path), {})[_part_key(path)] = var.get_value()
+    by_part.setdefault(part_of(path), {})[part_key(path)] = var.get_value()
   return _write(out_dir, model.config, by_part.items(), overwrite=overwrite,
                 extra_files=extra_files)
 
@@ -303,7 +288,7 @@ def load_orbax(path: str, *, mesh=None, rules: sharding_lib.Rules = sharding_lib
   targets: dict[str, dict] = {}
   for p, var in nnx.to_flat_state(abstract):
     sds = var.get_value()
-    targets.setdefault(part_of(p), {})[_part_key(p)] = jax.ShapeDtypeStruct(
+    targets.setdefault(part_of(p), {})[part_key(p)] = jax.ShapeDtypeStruct(
         sds.shape, sds.dtype, sharding=shardings[p])
   missing = sorted(set(targets) - set(meta["parts"]))
   if missing:
@@ -319,7 +304,7 @@ def load_orbax(path: str, *, mesh=None, rules: sharding_lib.Rules = sharding_lib
       arrays[("layers", int(part[6:])) + tuple(key) if part.startswith("layer_")
              else tuple(key)] = value
   ckptr.close()
-  return _assemble(cfg, {p: arrays[p] for p in _param_paths(cfg)}, moe_impl)
+  return _assemble(cfg, {p: arrays[p] for p in weights.param_paths(cfg)}, moe_impl)
 
 
 def iter_orbax_parts(path: str, cfg: config_lib.Config | None = None):
@@ -328,8 +313,8 @@ def iter_orbax_parts(path: str, cfg: config_lib.Config | None = None):
   meta = read_meta(path)
   cfg = cfg or config_lib.Config.from_dict(meta["config"])
   targets: dict[str, dict] = {}
-  for p, sds in _param_paths(cfg).items():
-    targets.setdefault(part_of(p), {})[_part_key(p)] = jax.ShapeDtypeStruct(sds.shape, sds.dtype)
+  for p, sds in weights.param_paths(cfg).items():
+    targets.setdefault(part_of(p), {})[part_key(p)] = jax.ShapeDtypeStruct(sds.shape, sds.dtype)
   ckptr = ocp.StandardCheckpointer()
   try:
     for part in meta["parts"]:
@@ -341,11 +326,6 @@ def iter_orbax_parts(path: str, cfg: config_lib.Config | None = None):
       yield part, _flatten(ckptr.restore(part_dir, _nest(targets[part])))
   finally:
     ckptr.close()
-
-
-def full_path(part: str, key: tuple[str, ...]) -> tuple:
-  """Inverse of (part_of, _part_key): the model-state path of `key` in `part`."""
-  return ("layers", int(part[6:])) + tuple(key) if part.startswith("layer_") else tuple(key)
 
 
 def _modelopt(hf_dir: str, activations: str | None):

@@ -20,7 +20,6 @@ from maverick.quant.ops import (
   QuantError,
   check_finite,
   dequantize,
-  einsum,
   from_kmajor,
   kmajor_order,
   quantize_kv,
@@ -56,7 +55,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name):  # model-level helpers import the model: load them on first use
+def __getattr__(name):
+  # Loaded on first use: importing any maverick.quant submodule runs this file, and these sit in
+  # higher layers (ARCHITECTURE.md): `einsum` dispatches to maverick.kernels, the conversions
+  # import the model and the checkpoint code. Only config and ops load eagerly.
+  if name == "einsum":
+    from maverick.quant import contraction
+    return contraction.einsum
   if name in ("quantize_model", "dequantize_model", "quantize_checkpoint"):
     from maverick.quant import convert
     return getattr(convert, name)

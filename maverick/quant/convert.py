@@ -1,8 +1,9 @@
 """Whole-model FP8 conversion: a live model, or a checkpoint streamed one layer at a time.
 
 Which weights become FP8, and over which axes each is contracted, comes from the model's own
-declarations (`maverick.model.linear_weight` tags each FP8 weight with `fp8_in_axes`), so nothing here
-knows layer structure. FP8 weights are stored K-major (`to_kmajor`); BF16 ones as declared.
+declarations (`maverick.model.linear_weight` tags each FP8 weight with `fp8_in_axes`; read through
+maverick.weights), so nothing here knows layer structure. FP8 weights are stored K-major
+(`to_kmajor`); BF16 ones as declared.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from tqdm import tqdm
 
 from maverick import config as config_lib
 from maverick import model as model_lib
+from maverick.checkpoint import hf, store
+from maverick.checkpoint import parts as parts_lib
 from maverick.quant.config import QuantConfig
 from maverick.quant.ops import (FP8, QuantError, dequantize, from_kmajor, quantize_weight,
                                 to_kmajor)
-
-
-def scale_path(path: tuple) -> tuple:
-  return path[:-1] + (f"{path[-1]}_scale",)
+from maverick.weights import fp8_declarations, scale_path
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -47,14 +47,6 @@ def _check_finite(name: str, x) -> None:
   if bad:
     raise QuantError(f"weight {name} has {bad} NaN/inf value(s) out of {x.size}; fix the "
                      "checkpoint (or retrain) before quantizing: a scale cannot represent them")
-
-
-def fp8_declarations(cfg: config_lib.Config, moe_impl: str = "tiles") -> dict[tuple, tuple]:
-  """{weight path: contracted (input) axes of its declared layout} for every weight that
-  `cfg.quant` stores in FP8."""
-  _, abstract = nnx.split(model_lib.abstract_model(cfg, moe_impl=moe_impl))
-  return {p: tuple(v.get_metadata()["fp8_in_axes"]) for p, v in nnx.to_flat_state(abstract)
-          if "fp8_in_axes" in v.get_metadata()}
 
 
 def _moe_impl(model) -> str:
@@ -141,7 +133,6 @@ def quantize_checkpoint(src: str, out_dir: str, quant: QuantConfig | None = None
   format with `quant` recorded in maverick.json's config; it is written to a temporary sibling and
   renamed into place only when complete (NaN/inf weights abort with nothing written).
   """
-  from maverick.checkpoint import hf, store
   quant = quant or QuantConfig()
   _refuse_static(quant)
   if store.is_orbax_checkpoint(src):
@@ -165,9 +156,9 @@ def quantize_checkpoint(src: str, out_dir: str, quant: QuantConfig | None = None
   def quantized_parts():
     for part, flat in tqdm(parts, total=n_parts, desc="quantizing", unit="part",
                            disable=not progress):
-      full = {store.full_path(part, k): v for k, v in flat.items()}
+      full = {parts_lib.full_path(part, k): v for k, v in flat.items()}
       q = quantize_params(full, fp8, name=_dotted)
-      yield part, {store._part_key(p): v for p, v in q.items()}
+      yield part, {parts_lib.part_key(p): v for p, v in q.items()}
 
   extra = [os.path.join(src, f) for f in store.TOKENIZER_FILES
            if os.path.isfile(os.path.join(src, f))]

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) quantization primitives and the one contraction every quantized layer goes through.
+"""FP8 (e4m3) quantization primitives: formats, scales, the K-major layout, einsum specs.
 
 Weights: symmetric, one f32 scale per output channel, `scale = max|w| / 448` over the input axes (a
 channel of zeros gets scale 1). Activations: the same per token (per row of the contraction), computed
@@ -6,9 +6,8 @@ at run time, with the row maximum clamped to [1/512, activation_scale_ub] so all
 0/0 and huge rows no overflow (e4m3fn has no infinity: out-of-range casts become NaN, so values are
 clipped to +-448 before the cast). KV cache: one scale per token and kv head.
 
-`einsum` is the seam for an FP8 GEMM kernel: it computes an FP8 x FP8 product with f32 accumulation
-(`preferred_element_type`), then applies the activation and weight scales in the epilogue, exactly
-what a fused kernel does, so a Pallas kernel can replace the body without touching the model.
+The contraction every quantized layer goes through, `einsum`, is in maverick.quant.contraction
+(above maverick.kernels, which it dispatches to; the kernels use these primitives).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maverick.quant.config import QuantConfig
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
@@ -114,7 +112,7 @@ def check_finite(name: str, x) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The quantized contraction
+# Einsum specs and static activations
 # ----------------------------------------------------------------------------------------------
 def _expand_ellipsis(spec: str, ndim_x: int) -> tuple[str, str, str]:
   ins, out = spec.replace(" ", "").split("->")
@@ -129,66 +127,6 @@ def _expand_ellipsis(spec: str, ndim_x: int) -> tuple[str, str, str]:
   return xs, ws, out
 
 
-def _align(a: jax.Array, subs: str, out: str) -> jax.Array:
-  """Transposes/reshapes `a` (subscripts `subs`, all in `out`) to broadcast against `out`."""
-  order = sorted(range(len(subs)), key=lambda i: out.index(subs[i]))
-  a = jnp.transpose(a, order)
-  kept = "".join(subs[i] for i in order)
-  return a.reshape([a.shape[kept.index(c)] if c in kept else 1 for c in out])
-
-
 def quantize_static(x, input_scale) -> jax.Array:
   """Static per-tensor activation quantization: e4m3(clip(x / input_scale, +-448))."""
   return _to_fp8(jnp.asarray(x).astype(jnp.float32) / jnp.asarray(input_scale, jnp.float32))
-
-
-def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None,
-           quant: QuantConfig | None = None, out_dtype=None, kernels: str | None = "xla",
-           placement=None, input_scale: jax.Array | None = None) -> jax.Array:
-  """`jnp.einsum(spec, x, w)`, with `w` in FP8 when `scale` is given.
-
-  Without a scale this IS jnp.einsum (the unquantized model is bit-identical). With one, w is FP8
-  stored K-major (`to_kmajor`): `spec` still names the declared layout (the same spec serves a
-  BF16 and an FP8 model) and the array holds its output axes first, then its contracted axes.
-  `scale` has w's non-contracted axes (per output channel); per `quant.activations`, x is
-  quantized per token over its contracted axes (FP8 x FP8) or kept (weight-only, w upcast to x's
-  dtype). The product
-  accumulates in f32; scales are applied to the accumulator; the result has x's dtype.
-  `kernels` (see maverick.kernels): None/"pallas" run the Pallas GEMM where it takes the call;
-  `placement` = (sharding plan, w's logical axes) on a sharded model: the GEMM runs per shard.
-  `input_scale` (f32 scalar): the static activation scale of `quant.activations ==
-  "static_per_tensor"` (x is quantized as e4m3(clip(x / input_scale)), the accumulator multiplied
-  by input_scale); this mode always runs the XLA path.
-  """
-  static = scale is not None and quant is not None and quant.static_activations
-  if static and input_scale is None:
-    raise ValueError(f"einsum {spec!r}: quant activations 'static_per_tensor' needs the weight's "
-                     "input_scale")
-  if scale is not None:
-    spec = kmajor_spec(spec, x.ndim)
-  if kernels != "xla" and not static:
-    from maverick import kernels as kernels_lib  # local: it imports this module
-    y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype, placement)
-    if y is not None:
-      return y
-  if scale is None:
-    return jnp.einsum(spec, x, w)
-  out_dtype = out_dtype or x.dtype
-  xs, ws, out = _expand_ellipsis(spec, x.ndim)
-  contracted = [c for c in xs if c in ws and c not in out]
-  x_keep = "".join(c for c in xs if c not in contracted)
-  w_keep = "".join(c for c in ws if c not in contracted)
-  if scale.ndim != len(w_keep):
-    raise ValueError(f"einsum {spec!r}: scale has shape {scale.shape}, expected one entry per "
-                     f"output channel of w (axes {w_keep!r} of {w.shape})")
-  full = f"{xs},{ws}->{out}"
-  if static:
-    acc = jnp.einsum(full, quantize_static(x, input_scale), w, preferred_element_type=jnp.float32)
-    acc = acc * jnp.asarray(input_scale, jnp.float32)
-  elif quant is not None and quant.quantize_activations:
-    xq, x_scale = quantize_rows(x, [xs.index(c) for c in contracted], quant.activation_scale_ub)
-    acc = jnp.einsum(full, xq, w, preferred_element_type=jnp.float32)
-    acc = acc * _align(x_scale, x_keep, out)
-  else:
-    acc = jnp.einsum(full, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-  return (acc * _align(scale.astype(jnp.float32), w_keep, out)).astype(out_dtype)

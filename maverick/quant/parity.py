@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from maverick import generate as gen
+from maverick import generation as gen
 from maverick import kv_cache as kvc
 
 

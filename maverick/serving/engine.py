@@ -15,7 +15,7 @@ changing its parameters never recompiles:
     every busy slot, so one user costs a batch-1 step, not a `slots`-row one (as a GPU server pads
     to its captured batch sizes).
 
-The loop bodies are `maverick.generate.decode_round` and `spec_decode.speculative.round_fns`,
+The loop bodies are `maverick.generation.decode_round` and `spec_decode.speculative.round_fns`,
 the same code `maverick.generate` and `spec_decode.generate` run. Free slots are rows marked done:
 they compute (fixed shapes) but commit nothing.
 
@@ -41,10 +41,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maverick import generate as plain
+from maverick import generation as plain
 from maverick import kernels as kernels_lib
 from maverick import sampling
 from maverick import sharding
+from spec_decode import speculative as spec
 
 DEFAULT_ROUNDS = 8
 
@@ -204,7 +205,6 @@ class Engine:
       token = sampling.sample(out.logits, sub, params)
       result = stop(result, token[:, None], jnp.ones((1,), jnp.int32))
       return dict(row, token=token, cache=cache, result=result)
-    from spec_decode import speculative as spec
     propose, _ = spec.round_fns(target, draft, params, stop_ids, max_tokens, self.pad_id,
                                 k=self.k, tree=self.tree)
     _, k_first, k_draft = jax.random.split(key, 3)  # as spec_decode.generate
@@ -260,7 +260,6 @@ class Engine:
       _, token, cache, result, key = jax.lax.while_loop(cond, body, carry)
       rows = dict(rows, token=token, cache=cache, result=result)
     else:
-      from spec_decode import speculative as spec
       _, body = spec.round_fns(target, draft, rows["params"], rows["stop_ids"], rows["max_tokens"],
                                self.pad_id, k=self.k, tree=self.tree)
       carry = (0, rows["x0"], rows["L"], result, rows["cand"], rows["cache"], rows["dcache"],

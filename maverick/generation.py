@@ -295,21 +295,3 @@ def resolve_pad_id(cfg, pad_id) -> int:
   if pad_id is not None:
     return int(pad_id)
   return int(cfg.pad_token_id) if cfg.pad_token_id is not None else 0
-
-
-# Public API `maverick.generate(...)`: kept at the end of the file, apart from the code above.
-import inspect  # noqa: E402
-import sys  # noqa: E402
-import types  # noqa: E402
-
-
-class _CallableModule(types.ModuleType):
-  """`maverick.generate(model, prompts, ...)` calls `generate` while `maverick.generate` stays
-  this module (so `from maverick import generate as plain; plain.prepare(...)` keeps working)."""
-
-  def __call__(self, *args, **kwargs) -> Generation:
-    return generate(*args, **kwargs)
-
-
-__signature__ = inspect.signature(generate)  # what help()/inspect show for maverick.generate(...)
-sys.modules[__name__].__class__ = _CallableModule
