@@ -141,6 +141,7 @@ class Engine:
     self._thread: threading.Thread | None = None
     self._stop = False
     self.error: BaseException | None = None
+    self._failure = threading.Lock()  # orders `error` being set against submit's queueing
     self.steps = 0  # device steps dispatched
     self.steps_by_batch = {n: 0 for n in self.batch_buckets}  # ... per batch bucket run
     self.released = 0  # slots freed by a cancellation (a client gone, a stop string)
@@ -321,9 +322,7 @@ class Engine:
              max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_tokens: Sequence[int] | None = None) -> Handle:
     """Validates and queues a request (ValueError, before it touches a slot, when it cannot run)."""
-    if self.error is not None:
-      raise RuntimeError(f"the engine stopped on an error and serves no more requests: "
-                         f"{self.error!r}")
+    self._raise_if_failed()
     cfg = self.config
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -352,9 +351,16 @@ class Engine:
                stop_ids=frozenset(int(t) for t in stop_row if t != plain.NO_STOP),
                callback=callback, params=params, stop_row=stop_row, seed=int(seed),
                submitted=time.perf_counter())
-    self._waiting.put(h)
+    with self._failure:  # not queued after the engine failed: it would wait forever
+      self._raise_if_failed()
+      self._waiting.put(h)
     self._wake.set()
     return h
+
+  def _raise_if_failed(self) -> None:
+    if self.error is not None:
+      raise RuntimeError(f"the engine stopped on an error and serves no more requests: "
+                         f"{self.error!r}")
 
   def cancel(self, handle: Handle) -> None:
     """Stops a request: no more events; its slot is freed at the next step."""
@@ -381,7 +387,8 @@ class Engine:
     try:
       self._loop()
     except BaseException as e:  # noqa: BLE001  (reported to every open request)
-      self.error = e
+      with self._failure:
+        self.error = e
       self._fail_open_requests()
 
   def _fail_open_requests(self) -> None:
