@@ -23,6 +23,7 @@ def _run(*args, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_tiny_sweep_writes_json_table_plots_and_profile(tmp_path):
   out, prof = tmp_path / "out", tmp_path / "prof"
   r = _run("--ks=2", "--batch_sizes=1,2", "--prompt_lens=16", "--output_lens=16",
@@ -59,6 +60,7 @@ def test_tiny_sweep_writes_json_table_plots_and_profile(tmp_path):
   assert list(prof.glob("plugins/profile/*/*.xplane.pb")), "no profiler trace written"
 
 
+@pytest.mark.slow
 def test_tree_shapes_are_swept(tmp_path):
   r = _run("--ks=0", "--trees=3x2x4", "--batch_sizes=1", "--prompt_lens=16", "--output_lens=16",
            "--num_prompts=1", "--repeats=1", f"--out_dir={tmp_path}")
@@ -70,6 +72,7 @@ def test_tree_shapes_are_swept(tmp_path):
   assert 1.0 <= tree["acceptance_length"] <= 4.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,words", [
     (["--batch_sizes=0"], "--batch_sizes: 0 must be >= 1"),
     (["--batch_sizes=4", "--num_prompts=2", "--ks=0"], "raise --num_prompts"),

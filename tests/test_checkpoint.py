@@ -241,6 +241,7 @@ def fixture_tensors(hf_fixture_dir):
 # ----------------------------------------------------------------------------------------------
 # Round trips against the HF golden logits
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_converted_checkpoint_matches_hf_logits(converted_model, hf_fixture):
   """Acceptance: HF -> orbax -> load -> float32 forward matches transformers within 1e-4."""
   got = _logits(converted_model, hf_fixture["inputs"])
@@ -283,6 +284,7 @@ def test_gate_up_split_is_halves(converted_model, fixture_tensors):
                                   fixture_tensors[f"model.layers.{i}.feed_forward.router.weight"].T)
 
 
+@pytest.mark.slow
 def test_sharded_multimodal_checkpoint(tmp_path, hf_fixture_dir, fixture_tensors, hf_fixture,
                                        converted_model):
   """3 shards + index, every key under `language_model.`, vision tensors present and skipped,
@@ -339,6 +341,7 @@ def test_numpy_reference_matches_hf_fixture(hf_fixture_dir, fixture_tensors, hf_
   np.testing.assert_allclose(ref, hf_fixture["logits"], rtol=0, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_tied_embeddings_checkpoint(tmp_path):
   cfg, tensors = _tied_checkpoint(tmp_path / "hf")
   assert "lm_head.weight" not in tensors

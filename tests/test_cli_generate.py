@@ -32,6 +32,7 @@ def _run(*args):
                         text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_output_equals_library(hf_dir_with_tokenizer):
   prompt = "def add(a, b):"
   r = _run(f"--checkpoint={hf_dir_with_tokenizer}", f"--prompt={prompt}", "--max_new_tokens=12",
@@ -46,6 +47,7 @@ def test_cli_output_equals_library(hf_dir_with_tokenizer):
   assert "tokens/s" in r.stdout and "compile" in r.stdout
 
 
+@pytest.mark.slow
 def test_cli_batch_file_sampling_and_chat(hf_dir_with_tokenizer, tmp_path):
   batch = tmp_path / "prompts.txt"
   batch.write_text("import os\n\nclass A:\nx = 1\n")
@@ -58,6 +60,7 @@ def test_cli_batch_file_sampling_and_chat(hf_dir_with_tokenizer, tmp_path):
   assert body(r1.stdout) == body(r2.stdout)  # seeded
 
 
+@pytest.mark.slow
 def test_cli_default_speculative_equals_plain():
   """The main job: embedded model + embedded EAGLE-3 draft by default; greedy text is identical
   with speculation off."""
@@ -74,12 +77,14 @@ def test_cli_default_speculative_equals_plain():
   assert "speculative" not in plain.stdout
 
 
+@pytest.mark.slow
 def test_cli_random_model():
   r = _run("--checkpoint=random:tiny", "--prompt=hello", "--max_new_tokens=4")
   assert r.returncode == 0, r.stderr
   assert "random weights" in r.stdout and "tokens/s" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,words", [
     (["--checkpoint=random:tiny", "--prompt=x", "--top_p=1.5"], ["top_p"]),
     (["--checkpoint=random:tiny", "--prompt=x", "--temperature=-1"], ["temperature"]),
@@ -106,6 +111,7 @@ def test_cli_user_errors_are_one_line(args, words):
     assert w in lines[0]
 
 
+@pytest.mark.slow
 def test_load_dispatches_on_source(hf_dir_with_tokenizer, tmp_path):
   from_hf = maverick.load(str(hf_dir_with_tokenizer), dtype="float32")
   out = convert_hf_to_orbax(str(hf_dir_with_tokenizer), str(tmp_path / "conv"), progress=False)

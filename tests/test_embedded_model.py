@@ -49,6 +49,7 @@ def test_shipped_checkpoint_fits_16_mb():
   assert total <= 16 * 2**20, total
 
 
+@pytest.mark.slow
 def test_greedy_is_deterministic_and_matches_stepwise_reference(tiny):
   """One-call generate == a host loop of full-recompute forwards taking the argmax."""
   prompt = tiny.tokenizer.encode("import os\n\n\ndef read_file(path):\n")
@@ -93,6 +94,7 @@ def _subset_texts(card):
   return texts
 
 
+@pytest.mark.slow
 def test_validation_subset_bits_per_byte_reproduces_model_card(tiny, card):
   """Tolerance 0.01 bits/byte: same weights and data; only CPU float differences may move it."""
   texts = _subset_texts(card)
@@ -101,6 +103,7 @@ def test_validation_subset_bits_per_byte_reproduces_model_card(tiny, card):
   assert abs(result.bits_per_byte - card["validation_subset"]["bits_per_byte"]) < 0.01
 
 
+@pytest.mark.slow
 def test_beats_unigram_byte_model_by_a_wide_margin(tiny, card):
   texts = _subset_texts(card)
   train = data.load_split(None, "train", card["data"]["val_fraction"]).texts

@@ -26,6 +26,7 @@ def test_greedy_agreement_counts():
   assert ga.prefix_agreement == pytest.approx((2 / 4 + 1 + 0) / 3)
 
 
+@pytest.mark.slow
 def test_teacher_forced_metrics_against_numpy():
   cfg = config_lib.tiny("float32")
   ref = model_lib.init_model(cfg, seed=4)
@@ -53,6 +54,7 @@ def test_teacher_forced_metrics_against_numpy():
   assert got.ppl_fp8 == pytest.approx(math.exp(nll(pt)), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_eval_fp8_cli(tmp_path):
   out = tmp_path / "r.json"
   r = subprocess.run(

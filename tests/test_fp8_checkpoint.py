@@ -130,6 +130,7 @@ def compressed_model(compressed):
   return load_hf(str(compressed[0]), dtype="float32")
 
 
+@pytest.mark.slow
 def test_compressed_tensors_import(compressed, compressed_model, hf_config, hf_fixture):
   _, stored, ref = compressed
   model = compressed_model
@@ -158,6 +159,7 @@ def test_compressed_tensors_import(compressed, compressed_model, hf_config, hf_f
   assert np.abs(got - want).mean() <= 0.03 * np.abs(want).mean()
 
 
+@pytest.mark.slow
 def test_fbgemm_import(tmp_path, fixture_tensors, hf_config, hf_fixture):
   stored, ref = fbgemm_layout(fixture_tensors)
   d = _write(tmp_path / "hf", hf_config, FBGEMM, stored)
@@ -236,6 +238,7 @@ def _expert_missing(t, c):
   del t[E + "7.down_proj.weight"], t[E + "7.down_proj.weight_scale"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutate,words", [
     (_missing_scale, [E + "5.up_proj.weight", "scale", "missing"]),
     (_scale_shape, [E + "2.down_proj.weight_scale", "[64]", "[64, 1]"]),

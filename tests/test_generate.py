@@ -33,6 +33,7 @@ def test_greedy_matches_hf_generate(fixture_model, hf_fixture):
   assert out.tokens[0] == hf_fixture["greedy"].tolist()
 
 
+@pytest.mark.slow
 def test_step_by_step_reference_loop_agrees(fixture_model, hf_fixture):
   """A plain host loop of full-recompute forwards (no cache) picks the same tokens."""
   seq = hf_fixture["inputs"][0].tolist()
@@ -44,6 +45,7 @@ def test_step_by_step_reference_loop_agrees(fixture_model, hf_fixture):
   assert out.tokens[0] == seq[-6:] == hf_fixture["greedy"][:6].tolist()
 
 
+@pytest.mark.slow
 def test_batch_rows_of_different_lengths_match_single_rows(fixture_model, hf_fixture):
   rng = np.random.default_rng(0)
   prompts = [hf_fixture["inputs"][0].tolist(), rng.integers(0, 512, 9).tolist(),
@@ -54,6 +56,7 @@ def test_batch_rows_of_different_lengths_match_single_rows(fixture_model, hf_fix
     assert gen.generate(fixture_model, [p], max_new_tokens=20, stop_tokens=[]).tokens[0] == toks
 
 
+@pytest.mark.slow
 def test_per_row_stop_tokens_and_max_tokens(fixture_model, hf_fixture):
   greedy = hf_fixture["greedy"].tolist()  # 129 193 129 456 129 324 ...
   prompt = hf_fixture["inputs"][0].tolist()

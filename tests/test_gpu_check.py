@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -16,6 +18,7 @@ def _load():
   return mod
 
 
+@pytest.mark.slow
 def test_toy_run_writes_results(tmp_path):
   gpu_check = _load()
   rc = gpu_check.main(["--interpret", "--toy", "--e2e_modes", "plain", "--out_dir", str(tmp_path)])
@@ -69,6 +72,7 @@ def test_peaks_and_names():
   assert gpu_check.sanitize("NVIDIA H200 NVL") == "nvidia-h200-nvl"
 
 
+@pytest.mark.slow
 def test_shard_cases_lower_for_sm90():
   """Every kernel case of the GPU run, at the TP8-rank shard shapes, goes through Mosaic GPU layout
   inference and lowering on this host (only shapes: nothing is allocated). The one case the kernel

@@ -62,6 +62,7 @@ def test_without_huggingface_hub_says_how_to_install(monkeypatch):
   assert hub.resolve("tiny") == "tiny"  # not a repo id: no hub needed
 
 
+@pytest.mark.slow
 def test_repo_id_through_hf_env_and_cli_error(hub_cache):
   """HF_HUB_CACHE + HF_HUB_OFFLINE as a user sets them; the CLI reports a missing repo in one line."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")

@@ -141,6 +141,7 @@ KERNEL_CASES = ([pytest.param(c, "sm90", id=c[0]) for c in CASES]
                 + [pytest.param(c, "sm100", id=f"sm100-{c[0]}") for c in SM100_CASES])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,arch", KERNEL_CASES)
 def test_kernel_matches_float64(case, arch):
   _, seed, B, T, H, K, Dh, S, q_pos, chunk, splits, fp8 = case
@@ -150,6 +151,7 @@ def test_kernel_matches_float64(case, arch):
   assert np.all(out[q_pos < 0] == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fp8,chunk,arch", [(False, None, "sm90"), (True, 64, "sm90"),
                                             (False, None, "sm100")],
                          ids=["bf16", "fp8_chunked", "sm100-bf16"])

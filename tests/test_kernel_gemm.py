@@ -45,6 +45,7 @@ def _check(out, ref, mag):
   assert worst <= 0, f"exceeds the bf16 bound by {worst}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,n,k,dtype,scaled,config", [
     (1, 128, 256, FP8, True, None),  # decode, one token: 63 padding rows
     (5, 96, 384, FP8, True, None),  # odd M; N a multiple of 32 only (narrow tiles)

@@ -98,6 +98,7 @@ def test_schedule_covers_each_row_once(num_rows, group_sizes, tile_m):
 
 # ---- the kernel in interpret mode ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,dtype,out_dtype,n", [
     ("sm90", jnp.bfloat16, jnp.bfloat16, 192),  # N=192: three 64-wide N tiles
     ("sm90", FP8, jnp.float32, 128),
@@ -130,6 +131,7 @@ def test_many_experts_few_rows(arch="sm90"):
   assert_rows_close(out, numpy_grouped_matmul(x, w, group_sizes, **scales), jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_bf16_weights_stored_k_by_n(arch):
   # maverick.moe's (E, K, N) layout, read as stored: the B tile is N-major (bf16 only).
@@ -346,6 +348,7 @@ def test_bad_out_dtype_and_implementation():
     grouped_matmul(**_bad(), implementation="triton")
 
 
+@pytest.mark.slow
 def test_bench_toy_cases_match_reference():
   with common.interpret():
     for case in bench.benchmark_cases(toy=True):

@@ -55,6 +55,7 @@ def _lower_all(cases) -> list[str]:
   return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ks.ARCHS)
 @pytest.mark.parametrize("op", OPS)
 def test_each_distinct_config_lowers(op, arch):
@@ -95,6 +96,7 @@ def test_every_distinct_lowering(op, arch):
                         + "\n".join(failures))
 
 
+@pytest.mark.slow
 def test_kernel_support_script():
   """scripts/kernel_support.py on one model/arch/TP and two token counts, lowering each config."""
   import pathlib

@@ -75,6 +75,7 @@ KERNEL_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,T,H,K,Dh,chunk_size,lengths,config", KERNEL_CASES)
 def test_sm90_kernel_interpret(B, T, H, K, Dh, chunk_size, lengths, config):
   q, k, v = make_inputs(B, T, H, K, Dh)
@@ -91,6 +92,7 @@ def test_sm90_kernel_interpret(B, T, H, K, Dh, chunk_size, lengths, config):
 # ring wraps, with 1 and 2 consumers per slot), 2 compute warpgroups taking turns.
 C100 = sm100.Config
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,T,H,K,Dh,chunk_size,lengths,config", [
     pytest.param(2, 80, 4, 1, 64, 48, [80, 0], C100(num_stages=2, num_compute_wgs=1),
                  id="chunk48-G4-len0"),

@@ -134,6 +134,7 @@ def _probe_passes(fn):
   assert all(r["ok"] for r in _cache().values())
 
 
+@pytest.mark.slow
 def test_probes_of_the_attention_and_expert_kernels_pass():
   rng = np.random.default_rng(2)
   bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)

@@ -20,6 +20,7 @@ def _load():
   return mod
 
 
+@pytest.mark.slow
 def test_interpret_run_writes_checked_results(tmp_path):
   bench = _load()
   out = tmp_path / "cpu-kernels.json"

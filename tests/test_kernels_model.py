@@ -68,6 +68,7 @@ def _compare(model, tokens, run=_prefill_then_decode):
     _agree(o, r)
 
 
+@pytest.mark.slow
 def test_all_kernels_match_xla_on_aligned_model():
   model = model_lib.init_model(aligned_config(), seed=0)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (1, 80)), jnp.int32)
@@ -108,6 +109,7 @@ def test_fp8_linears_match_xla():
     assert _rel(out, ref) < 1e-2, spec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_tokens", [80, 3], ids=["grouped", "gathered"])
 def test_fp8_experts_match_xla(n_tokens):
   """Routed FP8 experts (the XLA path gathers weights for few tokens; the kernels always group)."""
@@ -126,6 +128,7 @@ def test_fp8_experts_match_xla(n_tokens):
   assert _rel(out, ref) < 1e-2
 
 
+@pytest.mark.slow
 def test_fp8_model_kernels_agree_with_xla():
   """Whole FP8 model, prefill. e4m3 keeps 3 mantissa bits, so the rare bf16 rounding difference
   between the paths (attention, summation order) becomes a whole quantization step in the next
@@ -148,6 +151,7 @@ def test_fp8_model_kernels_agree_with_xla():
   assert top1(pallas) >= top1(xla) - 0.1, (top1(pallas), top1(xla))
 
 
+@pytest.mark.slow
 def test_fixture_logits_match_xla(hf_fixture_dir):
   model = store.load_hf(str(hf_fixture_dir), dtype="bfloat16")
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 512, (1, 24)), jnp.int32)
@@ -166,6 +170,7 @@ def _mosaic_calls(model, tokens_shape, decode: bool, arch: str = "sm90") -> int:
   return hlo.count("mosaic_gpu_v2")
 
 
+@pytest.mark.slow
 def test_forward_lowers_with_every_kernel_for_sm90():
   model = model_lib.init_model(aligned_config(), seed=0)  # kernels=None: auto
   # Per layer: q, k, v, o + 3 MLP / shared-expert GEMMs; + LM head; MoE layers: fused gate/up +
@@ -179,6 +184,7 @@ def test_forward_lowers_with_every_kernel_for_sm90():
   assert _mosaic_calls(model, (2, 1), decode=True) == 0
 
 
+@pytest.mark.slow
 def test_fp8_decode_lowers_with_every_kernel():
   """FP8 weights reach the kernels: K-major storage is what the FP8 GEMMs take."""
   model = _fp8_aligned_model()
@@ -186,6 +192,7 @@ def test_fp8_decode_lowers_with_every_kernel():
   assert _mosaic_calls(model, (2, 1), decode=True) == gemms + grouped + 2
 
 
+@pytest.mark.slow
 def test_decode_lowers_with_every_kernel_for_sm100():
   """The decode step on Blackwell: every GEMM, grouped GEMM and the decode attention kernel."""
   model = model_lib.init_model(aligned_config(), seed=0)

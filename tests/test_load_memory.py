@@ -73,6 +73,7 @@ def _logits(model, tokens):
   return np.asarray(model_lib.apply(graphdef, state, jnp.asarray(tokens)).logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,mesh_kw", MESHES)
 def test_sharded_hf_load_never_holds_a_whole_tensor(monkeypatch, hf_fixture_dir, hf_fixture,
                                                     fixture_model, layout, mesh_kw):
@@ -149,6 +150,7 @@ def test_sharded_fp8_load_equals_single_device(monkeypatch, tmp_path, hf_fixture
     assert v.get_value().sharding == targets[p], p
 
 
+@pytest.mark.slow
 def test_conversion_peak_rss_is_about_one_layer(tmp_path, hf_fixture_dir):
   """Converting a checkpoint whose one decoder layer is a ~220 MB MoE layer: the peak resident
   memory of the converting process rises by less than 1.25x that layer (measured: ~1.1x)."""

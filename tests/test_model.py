@@ -87,6 +87,7 @@ def _random_rows(rng, vocab, lengths):
   return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
 
 
+@pytest.mark.slow
 def test_cache_decode_equals_recompute_fixture(fixture_model, hf_fixture):
   """Prefill + decode (1 and 4 tokens per step) == full recompute at every step, batch of 3 rows
   of different lengths whose prompts straddle chunk boundaries (chunk 16)."""
@@ -123,6 +124,7 @@ def extra_model(request):
   return model_lib.init_model(EXTRA_CONFIGS[request.param], seed=7)
 
 
+@pytest.mark.slow
 def test_extra_config_cache_equals_recompute(extra_model):
   rng = np.random.default_rng(1)
   V = extra_model.config.vocab_size
@@ -133,6 +135,7 @@ def test_extra_config_cache_equals_recompute(extra_model):
     _assert_close_f32(c, r)
 
 
+@pytest.mark.slow
 def test_extra_config_padding_rows_do_not_change_other_rows(extra_model):
   """A row's logits are the same alone and in a right-padded batch with other rows."""
   rng = np.random.default_rng(2)

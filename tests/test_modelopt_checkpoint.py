@@ -171,6 +171,7 @@ def _agreement(got, want):
   return rel, top1
 
 
+@pytest.mark.slow
 def test_import_static_activations(model, layout, hf_config, hf_fixture):
   stored, ref, input_scales = layout
   qc = model.config.quant
@@ -209,6 +210,7 @@ def test_import_static_activations(model, layout, hf_config, hf_fixture):
   assert rel < 1e-3, rel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout_name,mesh_kw", [("tp", dict(data=4, tensor=2)),
                                                   ("ep", dict(expert=4, tensor=2))])
 def test_static_activations_run_sharded(ckpt_dir, model, hf_fixture, layout_name, mesh_kw):
@@ -229,6 +231,7 @@ def test_static_activations_run_sharded(ckpt_dir, model, hf_fixture, layout_name
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)
 
 
+@pytest.mark.slow
 def test_import_dynamic_activations(ckpt_dir, layout, hf_config, hf_fixture):
   _, ref, input_scales = layout
   model = load_hf(str(ckpt_dir), dtype="float32", activations="dynamic_per_token")
@@ -245,6 +248,7 @@ def test_import_dynamic_activations(ckpt_dir, layout, hf_config, hf_fixture):
   assert _agreement(static, want)[0] > 3e-2
 
 
+@pytest.mark.slow
 def test_generate_with_imported_model(model, hf_fixture):
   prompt = [int(x) for x in hf_fixture["inputs"][0, :8]]
   out = gen.generate(model, [prompt], max_new_tokens=4, stop_tokens=[])
@@ -252,6 +256,7 @@ def test_generate_with_imported_model(model, hf_fixture):
   assert len(tokens) == 4 and ((0 <= tokens) & (tokens < 512)).all()
 
 
+@pytest.mark.slow
 def test_spec_generate_modelopt_target_nvidia_head_is_lossless(model, tmp_path):
   """The record pair in miniature: the ModelOpt FP8 target (static activation scales, FP8 KV
   scales) imported from NVIDIA's layout + an EAGLE-3 head in NVIDIA's layout (full vocabulary, no
@@ -271,6 +276,7 @@ def test_spec_generate_modelopt_target_nvidia_head_is_lossless(model, tmp_path):
   assert all(len(t) == 14 for t in got.tokens)
 
 
+@pytest.mark.slow
 def test_multimodal_layout_and_cli_conversion(tmp_path, hf_config, layout, model, hf_fixture):
   """`language_model.` keys, vision tensors, only hf_quant_config.json; scripts/convert_hf.py
   converts it and the converted model equals the directly loaded one."""
@@ -374,6 +380,7 @@ def _kv_scale_shape(t, h, c):
   t["model.layers.4.self_attn.k_proj.k_scale"] = np.ones((2,), np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutate,words", [
     (_missing_weight_scale, [Q + "weight", Q + "weight_scale", "missing"]),
     (_missing_input_scale, [X + "down_proj", X + "down_proj_input_scale", "missing"]),

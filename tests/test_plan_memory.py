@@ -63,6 +63,7 @@ def _run(*args):
                         text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_script_reduced_config(tmp_path):
   out = tmp_path / "plan.json"
   p = _run("--config", "tiny", "--mesh", "2", "--data", "2", "--quant", "fp8", "--context",
@@ -76,6 +77,7 @@ def test_script_reduced_config(tmp_path):
   assert all(r["total_bytes"] > r["kv_bytes"] > 0 for r in data["reports"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,match", [
     (("--config", "tiny", "--mesh", "8"), "num_attention_heads=4 is not divisible"),
     (("--config", "nope"), "neither a preset"),
@@ -87,6 +89,7 @@ def test_script_bad_input(args, match):
   assert "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_modelopt_static_scales_and_nvidia_draft_head():
   """fp8-modelopt = fp8 + one f32 static input scale per FP8 weight; the speculative round adds
   NVIDIA's EAGLE-3 head, counted by hand from its published shapes (one device: no sharding)."""
@@ -120,6 +123,7 @@ def test_modelopt_static_scales_and_nvidia_draft_head():
   assert spec.kv_bytes - mo.kv_bytes == draft_kv
 
 
+@pytest.mark.slow
 def test_script_modelopt_with_nvidia_draft(tmp_path):
   out = tmp_path / "plan.json"
   p = _run("--config", "tiny", "--mesh", "2", "--quant", "fp8-modelopt", "--draft",

@@ -37,6 +37,7 @@ def _agreement(a, b):
 
 
 # (B, T) = (1, 4): N*k <= E, the gathered expert path; (2, 24): the sorted grouped path.
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["tiles", "ragged_dot"])
 @pytest.mark.parametrize("shape", [(1, 4), (2, 24)], ids=["gathered", "grouped"])
 def test_weight_only_fp8_equals_dequantized_reference(f32_model, impl, shape):
@@ -78,6 +79,7 @@ def test_quantized_params_and_metadata(f32_model):
                                 want.astype(jnp.float8_e4m3fn))
 
 
+@pytest.mark.slow
 def test_dynamic_activations_smoke(f32_model):
   """Whole model with per-token FP8 activations everywhere (the exact per-op checks are in
   test_quant.py and the MoE test below). A random model has flat logits, so only a loose bound."""
@@ -90,6 +92,7 @@ def test_dynamic_activations_smoke(f32_model):
   assert np.abs(got - want).mean() < 0.2 * np.abs(want).mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["tiles", "ragged_dot"])
 @pytest.mark.parametrize("N", [3, 40], ids=["gathered", "grouped"])
 def test_fp8_moe_experts_match_float64_reference(impl, N):
@@ -126,6 +129,7 @@ def test_fp8_moe_experts_match_float64_reference(impl, N):
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_quant_off_and_kv_only_leave_weights_untouched(f32_model):
   kv_only = model_lib.init_model(
       config_lib.tiny("float32").replace(quant=quant.QuantConfig(weights=None, kv_cache="fp8")),
@@ -161,6 +165,7 @@ def _decode_logits(model, prompt, steps):
   return np.stack([np.asarray(x) for x in logits], 1), cache
 
 
+@pytest.mark.slow
 def test_fp8_kv_cache_decode_matches_bf16_cache():
   """Dense layers only: top-1 routing turns tiny differences into jumps, which would measure the
   router rather than the cache."""
@@ -184,6 +189,7 @@ def test_fp8_kv_cache_decode_matches_bf16_cache():
   assert np.abs(got - want).mean() <= 0.05 * np.abs(want).mean()
 
 
+@pytest.mark.slow
 def test_generate_with_fp8_everything_is_one_executable(f32_model):
   fp8 = quant.quantize_model(f32_model, quant.QuantConfig(kv_cache="fp8"))
   prompts = [[5, 6, 7, 8], [9, 10]]
@@ -215,6 +221,7 @@ def bf16_checkpoint(tmp_path_factory):
   return model, path
 
 
+@pytest.mark.slow
 def test_fp8_checkpoint_half_the_bytes_and_round_trips(bf16_checkpoint, tmp_path):
   model, src = bf16_checkpoint
   qc = quant.QuantConfig(kv_cache="fp8")
@@ -236,6 +243,7 @@ def test_fp8_checkpoint_half_the_bytes_and_round_trips(bf16_checkpoint, tmp_path
     load_orbax(out)
 
 
+@pytest.mark.slow
 def test_fp8_checkpoint_sharded_restore(bf16_checkpoint, tmp_path):
   """Scales carry logical axes: restoring with expert/ffn parallel rules shards them with their
   weights, and the sharded FP8 model computes the same logits."""
@@ -262,6 +270,7 @@ def test_quantize_checkpoint_nan_writes_nothing(tmp_path):
   assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
 
 
+@pytest.mark.slow
 def test_quantize_cli(bf16_checkpoint, tmp_path):
   _, src = bf16_checkpoint
   run = lambda *a: subprocess.run([sys.executable, str(REPO / "scripts" / "quantize.py"), *a],

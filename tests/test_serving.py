@@ -78,12 +78,14 @@ def loaded():
   return maverick.load("tiny")
 
 
+@pytest.mark.slow
 def test_models_and_health(server, client):
   assert [m.id for m in client.models.list().data] == ["tiny"]
   h = httpx.get(f"{server}/health", timeout=10).json()
   assert h["status"] == "ok" and h["slots"] == SLOTS
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_requests(client, loaded):
   """Greedy and sampled, chat and completion, streaming and not, different lengths and stop
   sequences, all at once; greedy token-id completions equal maverick.generate's."""

@@ -37,6 +37,7 @@ def _run(engine, prompts, max_tokens):
   return out
 
 
+@pytest.mark.slow
 def test_a_lone_request_runs_the_batch_one_step_and_more_grow_the_batch(loaded):
   tok = loaded.tokenizer
   engine = Engine(loaded.model, slots=4, max_seq_len=32, rounds=2, min_bucket=16,
@@ -84,6 +85,7 @@ def test_a_lone_request_runs_the_batch_one_step_and_more_grow_the_batch(loaded):
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_speculative_k1_chain(loaded):
   """K=1: the chain's parents [1] are the same for every slot, not a per-slot row."""
   tok = loaded.tokenizer
@@ -102,6 +104,7 @@ def test_speculative_k1_chain(loaded):
     engine.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,mesh_kw", [("ep", dict(expert=4, tensor=2))])
 def test_sharded_speculative_engine(loaded, layout, mesh_kw):
   """A model and draft sharded on a mesh of 8 serve unchanged (slot rows over the batch axes where

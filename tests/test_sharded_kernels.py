@@ -79,6 +79,7 @@ def _prefill_then_decode(model, tokens):
   return np.asarray(out.logits, np.float32), np.asarray(step.logits, np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,mesh_kw,local", [
     ("tp", dict(tensor=8), dict(rows=B, heads=1, experts=8, width=64)),
     ("ep", dict(expert=2, tensor=4), dict(rows=B // 2, heads=2, experts=4, width=128))])
@@ -147,6 +148,7 @@ def _main(hlo: str) -> str:
 GEMMS, GROUPED = 2 * 7 + 1, 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,what", [("sm90", "decode"), ("sm90", "prefill"),
                                        ("sm100", "decode")])
 def test_tp8_lowering_has_kernels_inside_shard_map(arch, what):
@@ -207,6 +209,7 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.slow
 def test_kernels_at_tp8_shard_shapes_in_interpret_mode():
   """What each device runs in the TP8 model above: q projection (1 head), o projection (1-head
   slice of the contraction), the MoE on 8 experts of width 64, prefill attention over 1 q / 1 KV

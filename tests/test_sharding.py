@@ -45,6 +45,7 @@ def _sharded_fixture(hf_fixture_dir, layout, mesh_kw):
   return sharding.shard_model(model, sharding.make_mesh(**mesh_kw), layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,mesh_kw", FIXTURE_MESHES)
 def test_fixture_logits_match_single_device(hf_fixture_dir, hf_fixture, fixture_model, layout,
                                             mesh_kw):
@@ -56,6 +57,7 @@ def test_fixture_logits_match_single_device(hf_fixture_dir, hf_fixture, fixture_
   np.testing.assert_allclose(got, hf_fixture["logits"], atol=2e-4, rtol=0)  # HF, independent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,mesh_kw", [("tp", dict(tensor=8)), ("ep", dict(expert=8)),
                                             ("ep", dict(expert=2, tensor=4))])
 def test_eight_way_logits_match_single_device(layout, mesh_kw):
@@ -70,6 +72,7 @@ def test_eight_way_logits_match_single_device(layout, mesh_kw):
                              atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,mesh_kw", [("tp", dict(tensor=8)), ("ep", dict(expert=2, tensor=4))])
 def test_fp8_model_logits_match_single_device(layout, mesh_kw):
   """FP8 weights (router, routed and shared experts, attention, MLP): their scales are sharded with
@@ -104,6 +107,7 @@ def _prompts(n, seed, vocab=512):
   return [rng.integers(0, vocab, rng.integers(3, 20)).tolist() for _ in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,mesh_kw", FIXTURE_MESHES[:2])
 def test_greedy_generation_matches_single_device(hf_fixture_dir, hf_fixture, fixture_model,
                                                  layout, mesh_kw):
@@ -119,6 +123,7 @@ def test_greedy_generation_matches_single_device(hf_fixture_dir, hf_fixture, fix
   assert out.tokens[0] == hf_fixture["greedy"][:12].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,mesh_kw", [FIXTURE_MESHES[0], FIXTURE_MESHES[2]])
 def test_speculative_greedy_matches_single_device(hf_fixture_dir, fixture_model, layout, mesh_kw):
   dcfg = draft_lib.Eagle3Config.for_target(fixture_model.config)

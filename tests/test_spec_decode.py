@@ -35,12 +35,14 @@ def assert_greedy_lossless(target, draft, prompts, **draft_shape):
         plain.generate(target, batch, **kw).tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_greedy_lossless_with_random_draft(fixture_model, random_draft, k):
   """>= 50 prompts of varied length, batch 4 and batch 1: spec output == plain greedy output."""
   assert_greedy_lossless(fixture_model, random_draft, _prompts(52, seed=k), k=k)
 
 
+@pytest.mark.slow
 def test_greedy_lossless_with_stop_tokens_and_limits(fixture_model, random_draft, hf_fixture):
   greedy = hf_fixture["greedy"].tolist()
   prompt = hf_fixture["inputs"][0].tolist()
@@ -92,6 +94,7 @@ def bigram_target_and_oracle_draft(seed=0, cfg=None):
   return target, draft
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_oracle_draft_is_always_accepted(k):
   target, draft = bigram_target_and_oracle_draft()
@@ -138,6 +141,7 @@ def _exact_marginals(target, prompt, temperature, top_k, n_tokens):
   return marginals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_vocab,top_k", [(24, 0), (10, 8)])
 def test_sampling_distribution_matches_target(draft_vocab, top_k):
   target = model_lib.init_model(SMALL, seed=3)
@@ -185,6 +189,7 @@ def _device_args(target, draft, prompts, k=3, **kw):
   return (tg, ts, dg, ds, req), dict(k=k, steps=steps, capacity=capacity + k + 1, pad_id=0)
 
 
+@pytest.mark.slow
 def test_one_executable_per_bucket(fixture_model, random_draft):
   rng = np.random.default_rng(9)
   p1 = [rng.integers(0, 512, 40).tolist(), rng.integers(0, 512, 33).tolist()]
@@ -197,6 +202,7 @@ def test_one_executable_per_bucket(fixture_model, random_draft):
   assert len(first) == 1 and len(second) == 0
 
 
+@pytest.mark.slow
 def test_compiled_loop_has_no_host_communication(fixture_model, random_draft):
   args, static = _device_args(fixture_model, random_draft, [[1, 2, 3]], max_new_tokens=4)
   hlo = spec.spec_generate_jit.lower(*args, **static).compile().as_text()
@@ -265,6 +271,7 @@ def test_draft_target_mismatch(fixture_model):
     spec.generate(fixture_model, draft, [[1, 2]])
 
 
+@pytest.mark.slow
 def test_cache_limit_below_the_prompt_bucket(fixture_model, random_draft):
   """A 20-token prompt pads to a 32-token bucket; with max_cache_len=24 the cache used to be
   smaller than the padded prompt and the prefill failed. Plain and speculative decoding now fit

@@ -7,12 +7,14 @@ import pytest
 import spec_checks as sc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_teacher_draft_greedy_equals_plain_greedy(mode):
   """Batch 4 (per-row stops inside accepted runs, a limit cutting one) and each row alone."""
   sc.teacher_greedy(mode, batch=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 @pytest.mark.parametrize("setting", sorted(sc.SAMPLING))
 def test_sampled_tokens_and_pairs_match_exact_distribution(mode, setting):
@@ -21,6 +23,7 @@ def test_sampled_tokens_and_pairs_match_exact_distribution(mode, setting):
   sc.sampled_distribution(mode, setting)
 
 
+@pytest.mark.slow
 def test_teacher_draft_tree_with_fp8_kv_cache():
   """commit_path moves FP8 KV scales with their entries: the teacher tree run on an FP8-cache
   target (paths through siblings, partial paths) equals that target's plain greedy output."""

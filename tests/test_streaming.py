@@ -19,6 +19,7 @@ def random_draft(fixture_model):
   return draft_lib.init_draft(draft_lib.Eagle3Config.for_target(fixture_model.config), seed=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculative", [False, True])
 def test_stream_equals_hf_greedy(fixture_model, random_draft, hf_fixture, speculative):
   """Chunks of 7 over 20 tokens (the prompt grows across a length bucket) give HF's greedy text."""
@@ -36,6 +37,7 @@ def test_stream_equals_hf_greedy(fixture_model, random_draft, hf_fixture, specul
       assert 1 <= c.output.rounds.sum() <= len(c.tokens) - 1 <= c.output.accepted.sum()
 
 
+@pytest.mark.slow
 def test_stream_with_tree_draft_equals_hf_greedy(fixture_model, random_draft, hf_fixture):
   prompt, greedy = hf_fixture["inputs"][0].tolist(), hf_fixture["greedy"].tolist()
   chunks = streaming.stream(fixture_model, prompt, chunk_tokens=8, max_new_tokens=16,

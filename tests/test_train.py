@@ -42,6 +42,7 @@ def _tc(**kw):
   return train.TrainConfig(**base)
 
 
+@pytest.mark.slow
 def test_loss_decreases(tmp_path):
   result = train.train(SMALL, _tc(steps=30, checkpoint_every=100), _stream(), str(tmp_path),
                        progress=False)
@@ -51,6 +52,7 @@ def test_loss_decreases(tmp_path):
   assert all(np.isfinite(h["balance"]) and h["balance"] > 0 for h in result.history)  # recorded
 
 
+@pytest.mark.slow
 def test_resume_matches_uninterrupted_run(tmp_path):
   stream = _stream()
   full = train.train(SMALL, _tc(), stream, str(tmp_path / "full"), progress=False)
@@ -123,6 +125,7 @@ def _run(*args):
                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_script_smoke_run_exports_a_loadable_model(tmp_path):
   import maverick
   corpus = _corpus(tmp_path)

@@ -18,6 +18,7 @@ def draft(fixture_model):
   return draft_lib.init_draft(draft_lib.Eagle3Config.for_target(fixture_model.config), seed=2)
 
 
+@pytest.mark.slow
 def test_ttt_steps_equal_inference_chain(fixture_model, draft):
   """TTT step j at base i must see exactly the keys a chain step sees at inference: the
   target-feature prefix <= i and its own chain entries. Compare with the cached inference path."""
@@ -57,6 +58,7 @@ def _tc(**kw):
   return train_lib.TrainConfig(**base)
 
 
+@pytest.mark.slow
 def test_generated_sequences_are_target_greedy(fixture_model):
   from maverick.generation import generate
   seqs = _sequences(fixture_model, n=4)
@@ -65,6 +67,7 @@ def test_generated_sequences_are_target_greedy(fixture_model):
   assert np.array_equal(seqs[:, 8:], np.asarray(again))
 
 
+@pytest.mark.slow
 def test_loss_decreases_and_resume_is_exact(fixture_model, tmp_path):
   cfg = draft_lib.Eagle3Config.for_target(fixture_model.config, intermediate_size=32)
   seqs = _sequences(fixture_model)
@@ -112,6 +115,7 @@ def _script(name, *args):
                         timeout=600)
 
 
+@pytest.mark.slow
 def test_train_eagle3_script_bad_input(tmp_path):
   r = _script("train_eagle3.py", "--gen_temperatures=-1", f"--workdir={tmp_path / 'w'}",
               f"--out_dir={tmp_path / 'o'}")
@@ -123,6 +127,7 @@ def test_train_eagle3_script_bad_input(tmp_path):
   assert r.returncode == 1 and "no .py files" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_eval_ppl_script(tmp_path):
   r = _script("eval_ppl.py", "--max_files=2", "--batch_size=2", "--seq_len=128")
   assert r.returncode == 0, r.stderr[-2000:]

@@ -51,6 +51,7 @@ def _path(j):
   return path[::-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["fixture", "temp_tuning"])
 def test_tree_mask_forward_equals_recompute_of_each_path(fixture_model, which):
   """Every node's logits under the tree mask == a plain forward over prompt + its root path, with
@@ -93,6 +94,7 @@ def test_tree_mask_forward_equals_recompute_of_each_path(fixture_model, which):
   np.testing.assert_allclose(dec[:, 0], ref, atol=1e-5 * scale, rtol=0)
 
 
+@pytest.mark.slow
 def test_draft_tree_scores_are_path_log_probs(fixture_model):
   """Each node's score == the sum of draft log-probs along its path, computed by plain single-token
   draft steps (no tree mask); parents come before children and siblings are distinct."""
@@ -139,12 +141,14 @@ def test_draft_tree_scores_are_path_log_probs(fixture_model):
       assert len(set(sib.tolist())) == len(sib)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_greedy_lossless_with_random_draft(fixture_model, random_draft, shape):
   """>= 50 prompts, batch 4 and batch 1: tree output == plain greedy output."""
   assert_greedy_lossless(fixture_model, random_draft, _prompts(52, seed=len(shape)), tree=shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["3x2x10", "4x2x14"])
 def test_oracle_draft_accepts_a_full_path_every_round(shape):
   """With every candidate kept (nodes == topk + (depth-1) topk^2) the oracle's path is in the
@@ -177,6 +181,7 @@ def _peaked_oracle_pair(draft_vocab):
   return target, draft
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_vocab,top_k,shape", [(24, 0, "3x3x12"), (16, 8, "3x2x10")])
 def test_sampling_distribution_matches_target(draft_vocab, top_k, shape):
   """Chi-squared test of 20k sampled tokens per position against the exact target marginals."""
@@ -194,6 +199,7 @@ def _device_args(target, draft, prompts, shape, **kw):
                                      pad_id=0, tree=shape)
 
 
+@pytest.mark.slow
 def test_one_executable_and_no_host_communication(fixture_model, random_draft):
   rng = np.random.default_rng(9)
   p1 = [rng.integers(0, 512, 40).tolist(), rng.integers(0, 512, 33).tolist()]
@@ -259,6 +265,7 @@ def test_commit_path_moves_fp8_scales_with_their_entries():
       np.testing.assert_array_equal(np.asarray(after.astype(jnp.float32)), want, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["3x2x4", "5x4x16"])
 def test_fp8_kv_cache_tree_greedy_lossless(fixture_model, shape):
   """Tree drafting with an FP8 KV cache (the commit used to drop the scales from the loop carry):
