@@ -33,14 +33,31 @@ COMPILE_CACHE_DIR = flags.DEFINE_string(
     "$MAVERICK_CACHE_DIR/jax_compile, else ~/.cache/maverick-jax/jax_compile. Empty = off.")
 
 
+# What the persistent cache did in this process: programs compiled through it, and of those the
+# ones loaded from disk (JAX's own monitoring events, counted from enable_compile_cache on).
+_CACHE_STATS = {"dir": None, "requests": 0, "hits": 0, "listening": False}
+_CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
+                 "/jax/compilation_cache/cache_hits": "hits"}
+
+
+def _count_cache_event(event: str, **_) -> None:
+  key = _CACHE_EVENTS.get(event)
+  if key is not None:
+    _CACHE_STATS[key] += 1
+
+
 def enable_compile_cache(path: str | None) -> str | None:
   """Turns JAX's on-disk compilation cache on at `path` (None: the default, "": off). Every
   program is cached, however quick to compile: on a small model most compiles take under the
   1 s JAX caches by default. Returns the directory used, or None when off."""
   import jax  # noqa: PLC0415  (late: --help stays instant)
   path = default_compile_cache_dir() if path is None else path
+  if not _CACHE_STATS["listening"]:
+    jax.monitoring.register_event_listener(_count_cache_event)
+    _CACHE_STATS["listening"] = True
   if not path:
     jax.config.update("jax_enable_compilation_cache", False)
+    _CACHE_STATS["dir"] = None
     return None
   path = os.path.expanduser(path)
   os.makedirs(path, exist_ok=True)
@@ -48,7 +65,17 @@ def enable_compile_cache(path: str | None) -> str | None:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  _CACHE_STATS["dir"] = path
   return path
+
+
+def compile_cache_summary() -> str:
+  """One line on what the persistent cache did so far: how many of the programs compiled were
+  loaded from it (a second identical run should load them all)."""
+  if _CACHE_STATS["dir"] is None:
+    return "compilation cache off"
+  return (f"{_CACHE_STATS['hits']} of {_CACHE_STATS['requests']} programs loaded from the "
+          f"compilation cache {_CACHE_STATS['dir']}")
 
 
 class UsageError(ValueError):

@@ -181,6 +181,7 @@ def main(argv):
           f"verify step; per-position acceptance {rates}")
   elif note:
     print(note)
+  print(f"compile: {cli.compile_cache_summary()}")
   return 0
 
 
@@ -218,6 +219,7 @@ def _stream(loaded, text, prompt, draft, tree, note, kw) -> int:
     print(f"speculative {how}: acceptance length {al:.2f} tokens per verify step")
   elif note:
     print(note)
+  print(f"compile: {cli.compile_cache_summary()}")
   return 0
 
 

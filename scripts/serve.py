@@ -142,19 +142,24 @@ def main(argv):
   eng = server.engine
   mode = ("plain decoding" if eng.draft is None else
           f"tree {eng.tree}" if eng.tree is not None else f"speculative K={eng.k}")
-  bar = tqdm(total=len(eng.buckets) + len(eng.batch_buckets) + 1, desc="compiling", unit="program", file=sys.stderr)
+  bar = tqdm(total=len(eng.buckets) + len(eng.batch_buckets) + 1, desc="compiling",
+             unit="program", file=sys.stderr)
 
-  def progress(what):
-    if bar.n or getattr(progress, "started", False):
-      bar.update(1)
-    progress.started = True
+  started = False
+
+  def progress(what):  # called before each program compiles, with None once all have
+    nonlocal started
+    if started:
+      bar.update(1)  # the previous program is compiled
+    started = True
     if what is not None:
       bar.set_postfix_str(what)
       return
     bar.close()
     print(f"serve: ready on http://{_HOST.value}:{_PORT.value}/v1 ({server.model_name}, {mode}, "
           f"{eng.slots} slots x {eng.max_seq_len} tokens, compiled in "
-          f"{server.compile_seconds:.1f} s)", file=sys.stderr, flush=True)
+          f"{server.compile_seconds:.1f} s; {cli.compile_cache_summary()})", file=sys.stderr,
+          flush=True)
 
   start_compiling(server, progress)
   app_ = create_app(server)
