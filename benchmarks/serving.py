@@ -1,6 +1,6 @@
 """Serving benchmark: scripts/serve.py with the embedded pair under 1, 2, 4, ..., 64 concurrent users.
 
-  python benchmarks/serving.py                                   # spec off, K=3, tree 5x8x32
+  python benchmarks/serving.py                                   # spec off, K=3, best tree
   python benchmarks/serving.py --concurrency 1,4,16 --modes off,k3 --max_tokens 64
 
 For each mode a server is started (--slots = the largest concurrency), compiled (not timed), and
@@ -27,10 +27,13 @@ sys.path.insert(0, REPO)
 
 from maverick import cli  # noqa: E402  (after the sys.path line)
 
-MODES = {"off": ["--spec_k=0"], "k3": ["--spec_k=3"],
-         "tree": ["--tree_depth=5", "--tree_topk=8", "--tree_nodes=32"]}
-_MODES = flags.DEFINE_list("modes", ["off", "k3", "tree"], f"Of {sorted(MODES)} (tree: 5x8x32, "
-                           "the best tree of benchmarks/spec_decode.py).")
+MODES = ("off", "k3", "tree")
+_MODES = flags.DEFINE_list("modes", list(MODES), f"Of {list(MODES)}: no speculation, a K=3 chain, "
+                           "the --tree tree.")
+_TREE = flags.DEFINE_string(
+    "tree", "best", "Tree of the 'tree' mode, DEPTHxTOPKxNODES, or 'best': the branching tree "
+    "(top-k > 1; top-k 1 is a chain) with the most tokens/s at batch 1 in "
+    "benchmarks/results/spec_decode_<device>.json (python benchmarks/spec_decode.py).")
 _CONC = flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32", "64"], "Users.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Generated tokens per request.")
@@ -88,11 +91,45 @@ async def _level(base, users, prompts):
               acceptance=accepted / rounds if rounds else None)
 
 
-def _serve(mode, slots):
+def best_tree(spec_results: dict) -> str:
+  """The branching tree (top-k > 1) with the most tokens/s per user at batch 1."""
+  trees = [r for r in spec_results["rows"]
+           if r.get("tree") and r["batch"] == 1 and int(r["tree"].split("x")[1]) > 1]
+  if not trees:
+    raise cli.UsageError("the spec_decode results hold no branching tree at batch 1; pass --tree")
+  return max(trees, key=lambda r: r["tokens_per_second_per_user"])["tree"]
+
+
+def _tree(device: str) -> str:
+  if _TREE.value != "best":
+    parts = _TREE.value.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+      raise cli.UsageError(f"--tree: {_TREE.value!r} is not DEPTHxTOPKxNODES (e.g. 4x2x8) or "
+                           "'best'")
+    return _TREE.value
+  path = os.path.join(REPO, "benchmarks", "results", f"spec_decode_{device}.json")
+  try:
+    with open(path) as f:
+      return best_tree(json.load(f))
+  except FileNotFoundError:
+    raise cli.UsageError(f"--tree=best reads {path}, which is missing: run "
+                         "python benchmarks/spec_decode.py first, or pass --tree DxKxN") from None
+
+
+def _mode_flags(mode: str, tree: str) -> list[str]:
+  if mode == "off":
+    return ["--spec_k=0"]
+  if mode == "k3":
+    return ["--spec_k=3"]
+  depth, topk, nodes = tree.split("x")
+  return [f"--tree_depth={depth}", f"--tree_topk={topk}", f"--tree_nodes={nodes}"]
+
+
+def _serve(mode, slots, tree):
   import httpx
   args = [sys.executable, os.path.join(REPO, "scripts", "serve.py"), f"--port={_PORT.value}",
           f"--slots={slots}", f"--rounds={_ROUNDS.value}",
-          f"--max_seq_len={_PROMPT_LEN.value + _MAX_TOKENS.value}", *MODES[mode]]
+          f"--max_seq_len={_PROMPT_LEN.value + _MAX_TOKENS.value}", *_mode_flags(mode, tree)]
   proc = subprocess.Popen(args, cwd=REPO)
   base = f"http://127.0.0.1:{_PORT.value}"
   for _ in range(3600):
@@ -117,11 +154,12 @@ def _host() -> str:
   return f"{model}, {os.cpu_count()} cores"
 
 
-def _report(rows, device):
+def _report(rows, device, tree):
   lines = [f"# Serving benchmark ({device}; host {_host()})", "",
            f"Embedded target + draft, greedy, prompt {_PROMPT_LEN.value} tokens, "
            f"{_MAX_TOKENS.value} new tokens, {_PER_USER.value} requests per user, "
-           f"--rounds {_ROUNDS.value}. `python benchmarks/serving.py`", "",
+           f"--rounds {_ROUNDS.value}" + (f", tree {tree}" if tree else "") +
+           ". `python benchmarks/serving.py`", "",
            "| mode | users | tokens/s per user | tokens/s per server | TTFT median (s) | "
            "acceptance length |", "|---|---:|---:|---:|---:|---:|"]
   for r in rows:
@@ -131,14 +169,15 @@ def _report(rows, device):
   return "\n".join(lines) + "\n"
 
 
-def _plot(rows, path):
+def _plot(rows, path, tree):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6, 4.5))
   for mode in dict.fromkeys(r["mode"] for r in rows):
     rs = [r for r in rows if r["mode"] == mode]
-    ax.plot([r["tps_server"] for r in rs], [r["tps_user"] for r in rs], "o-", label=mode)
+    label = f"tree {tree}" if mode == "tree" else {"off": "off", "k3": "K=3"}[mode]
+    ax.plot([r["tps_server"] for r in rs], [r["tps_user"] for r in rs], "o-", label=label)
     for r in rs:
       ax.annotate(str(r["users"]), (r["tps_server"], r["tps_user"]), fontsize=7)
   ax.set_xlabel("tokens/s per server")
@@ -148,25 +187,37 @@ def _plot(rows, path):
   ax.legend(title="speculation")
   ax.set_title("serve.py, embedded pair (labels: concurrent users)")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  tmp = f"{path}.tmp-{os.getpid()}.png"
+  fig.savefig(tmp, dpi=120)
+  os.replace(tmp, path)
 
 
 def main(argv):
-  cli.start(argv)
-  import jax
-  conc = [int(c) for c in _CONC.value]
-  for m in _MODES.value:
-    if m not in MODES:
-      raise cli.UsageError(f"--modes: {m!r} is not one of {sorted(MODES)}")
-  device = jax.devices()[0].platform
+  try:
+    cli.start(argv)
+    try:
+      conc = [int(c) for c in _CONC.value]
+    except ValueError:
+      raise cli.UsageError(f"--concurrency: {_CONC.value} are not all integers") from None
+    if not conc or min(conc) < 1:
+      raise cli.UsageError(f"--concurrency: {_CONC.value} must be user counts >= 1")
+    for m in _MODES.value:
+      if m not in MODES:
+        raise cli.UsageError(f"--modes: {m!r} is not one of {list(MODES)}")
+    import jax
+    device = jax.devices()[0].platform
+    tree = _tree(device) if "tree" in _MODES.value else None
+  except cli.UsageError as e:
+    return cli.fail("serving", e)
   prompts = _prompts(max(conc) * _PER_USER.value, _PROMPT_LEN.value)
   rows = []
   for mode in _MODES.value:
-    proc, base = _serve(mode, max(conc))
+    proc, base = _serve(mode, max(conc), tree)
     try:
       asyncio.run(_level(base, 1, prompts))  # warm-up
       for users in conc:
-        r = dict(mode=mode, **asyncio.run(_level(base, users, prompts)))
+        r = dict(mode=mode, tree=tree if mode == "tree" else None,
+                 **asyncio.run(_level(base, users, prompts)))
         rows.append(r)
         print(json.dumps(r), flush=True)
     finally:
@@ -175,9 +226,9 @@ def main(argv):
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   stem = os.path.join(_OUT_DIR.value, f"serving_{device}")
   cli.write_atomic(stem + ".json", json.dumps(rows, indent=1))
-  cli.write_atomic(stem + ".md", _report(rows, device))
-  _plot(rows, stem + ".png")
-  print(_report(rows, device))
+  cli.write_atomic(stem + ".md", _report(rows, device, tree))
+  _plot(rows, stem + ".png", tree)
+  print(_report(rows, device, tree))
   return 0
 
 
