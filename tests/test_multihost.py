@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -23,6 +24,19 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(coordinator_address="localhost:1234"), "pass all of coordinator_address"),
+    (dict(num_processes=2, process_id=0), "pass all of coordinator_address"),
+    (dict(coordinator_address="localhost:1234", num_processes=2, process_id=2),
+     "process_id 2 outside [0, num_processes=2)"),
+], ids=["address only", "no address", "process id"])
+def test_bad_distributed_arguments_are_refused_before_connecting(kw, words):
+  with pytest.raises(sharding.ShardingError) as e:
+    sharding.initialize_distributed(**kw)
+  assert words in str(e.value)
+  assert not jax.distributed.is_initialized()
 
 
 @pytest.mark.slow

@@ -37,6 +37,26 @@ def _run(engine, prompts, max_tokens):
   return out
 
 
+@pytest.mark.parametrize("kw,words", [
+    (dict(prompt=[]), "the prompt is empty"),
+    (dict(prompt=[1, 10**6]), "outside the vocabulary"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=30), "lower max_tokens to at most 29"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(seed=-1), "seed must be an integer"),
+    (dict(stop_tokens=list(range(20))), "at most 8 stop token ids"),
+], ids=["empty", "vocab", "max_tokens", "context", "temperature", "top_p", "seed", "stops"])
+def test_bad_requests_are_refused_before_they_touch_a_slot(loaded, kw, words):
+  """Checked in submit, on the caller's thread: nothing is queued or compiled, no slot taken."""
+  engine = Engine(loaded.model, slots=2, max_seq_len=32, stop_tokens=loaded.stop_tokens)
+  args = {"prompt": [1, 2, 3], "max_tokens": 4, **kw}
+  with pytest.raises(ValueError) as e:
+    engine.submit(args.pop("prompt"), lambda event: None, **args)
+  assert words in str(e.value)
+  assert engine._waiting.empty() and engine.active == 0 and not engine._exes
+
+
 @pytest.mark.slow
 def test_a_lone_request_runs_the_batch_one_step_and_more_grow_the_batch(loaded):
   tok = loaded.tokenizer
