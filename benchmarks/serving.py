@@ -3,8 +3,9 @@
   python benchmarks/serving.py                                   # spec off, K=3, best tree
   python benchmarks/serving.py --concurrency 1,4,16 --modes off,k3 --max_tokens 64
 
-For each mode a server is started (--slots = the largest concurrency), compiled (not timed), and
-each concurrency level runs --requests_per_user streaming requests per user back to back (greedy,
+For each mode a server is started (--slots = the largest concurrency), compiled and warmed up
+(every level once, one request per user; not timed), then each concurrency level runs
+--requests_per_user streaming requests per user back to back (greedy,
 prompts = held-out stdlib files cut to --prompt_len tokens). Reported per level: tokens/s per user
 (a request's tokens / its latency, averaged), tokens/s per server (all tokens / wall time), median
 time to first token, and the acceptance length (tokens per verify round, from /health). Results:
@@ -37,7 +38,11 @@ _TREE = flags.DEFINE_string(
 _CONC = flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32", "64"], "Users.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Generated tokens per request.")
-_PER_USER = flags.DEFINE_integer("requests_per_user", 2, "Requests each user sends in turn.")
+_PER_USER = flags.DEFINE_integer("requests_per_user", 4, "Requests each user sends in turn (at "
+                                 "least; see --min_requests).")
+_MIN_REQUESTS = flags.DEFINE_integer("min_requests", 32, "Requests per level at least: at low "
+                                     "concurrency each user sends more, so every level runs long "
+                                     "enough to time.")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "--rounds of the server.")
 _PORT = flags.DEFINE_integer("port", 8123, "Port of the servers started.")
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(REPO, "benchmarks", "results"),
@@ -72,12 +77,11 @@ async def _user(client, base, prompts, out):
     out.append(dict(tokens=n, latency=end - start, ttft=(first or end) - start))
 
 
-async def _level(base, users, prompts):
+async def _level(base, users, prompts, per):
   import httpx
   async with httpx.AsyncClient(timeout=600) as client:
     before = (await client.get(f"{base}/health")).json()
     out, start = [], time.perf_counter()
-    per = _PER_USER.value
     await asyncio.gather(*(_user(client, base, prompts[u * per:(u + 1) * per], out)
                            for u in range(users)))
     wall = time.perf_counter() - start
@@ -157,7 +161,8 @@ def _host() -> str:
 def _report(rows, device, tree):
   lines = [f"# Serving benchmark ({device}; host {_host()})", "",
            f"Embedded target + draft, greedy, prompt {_PROMPT_LEN.value} tokens, "
-           f"{_MAX_TOKENS.value} new tokens, {_PER_USER.value} requests per user, "
+           f"{_MAX_TOKENS.value} new tokens, max({_PER_USER.value}, {_MIN_REQUESTS.value} / users) "
+           "requests per user, "
            f"--rounds {_ROUNDS.value}" + (f", tree {tree}" if tree else "") +
            ". `python benchmarks/serving.py`", "",
            "| mode | users | tokens/s per user | tokens/s per server | TTFT median (s) | "
@@ -209,15 +214,17 @@ def main(argv):
     tree = _tree(device) if "tree" in _MODES.value else None
   except cli.UsageError as e:
     return cli.fail("serving", e)
-  prompts = _prompts(max(conc) * _PER_USER.value, _PROMPT_LEN.value)
+  per_user = {u: max(_PER_USER.value, -(-_MIN_REQUESTS.value // u)) for u in conc}
+  prompts = _prompts(max(u * per_user[u] for u in conc), _PROMPT_LEN.value)
   rows = []
   for mode in _MODES.value:
     proc, base = _serve(mode, max(conc), tree)
     try:
-      asyncio.run(_level(base, 1, prompts))  # warm-up
+      for users in conc:  # warm-up: every level once, so each batch-bucket program has run
+        asyncio.run(_level(base, users, prompts, 1))
       for users in conc:
         r = dict(mode=mode, tree=tree if mode == "tree" else None,
-                 **asyncio.run(_level(base, users, prompts)))
+                 **asyncio.run(_level(base, users, prompts, per_user[users])))
         rows.append(r)
         print(json.dumps(r), flush=True)
     finally:

@@ -61,7 +61,7 @@ def test_small_run_measures_every_level(tmp_path):
   r = subprocess.run(
       [sys.executable, str(REPO / "benchmarks" / "serving.py"), "--concurrency=1,2",
        "--modes=off,tree", "--tree=2x2x3", "--prompt_len=8", "--max_tokens=6",
-       "--requests_per_user=1", "--rounds=2", f"--port={port}", f"--out_dir={tmp_path}"],
+       "--requests_per_user=1", "--min_requests=1", "--rounds=2", f"--port={port}", f"--out_dir={tmp_path}"],
       cwd=REPO, env=single_device_env(), capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = json.loads((tmp_path / "serving_cpu.json").read_text())

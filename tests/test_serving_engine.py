@@ -10,6 +10,37 @@ import spec_decode
 from maverick.serving import Engine
 
 WAIT_S = 300
+HOST_TRAFFIC = ("xla_ffi_python_cpu_callback", "xla_python_cpu_callback", " send(", " recv(",
+                " infeed(", " outfeed(")
+
+
+def _assert_on_device(engine):
+  """Every step program is one while loop with nothing going back to the host inside it."""
+  for n in engine.batch_buckets:
+    hlo = engine._exes["step", n].as_text()
+    assert "while" in hlo.split("ENTRY")[1], n
+    for f in HOST_TRAFFIC:
+      assert f not in hlo, (n, f)
+
+
+def _record_order(engine):
+  """Logs ("dispatch", t) when step t is called and ("process", t) when its results are read."""
+  log = []
+  for key, exe in list(engine._exes.items()):
+    if isinstance(key, tuple) and key[0] == "step":
+      def step(*args, exe=exe):
+        out = exe(*args)
+        log.append(("dispatch", len([e for e in log if e[0] == "dispatch"]) + 1))
+        out[2]["_step"] = log[-1][1]  # rides along in the report
+        return out
+      engine._exes[key] = step
+  process = engine._process
+
+  def recorded(report, owners):
+    log.append(("process", report.pop("_step")))
+    return process(report, owners)
+  engine._process = recorded
+  return log
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +94,9 @@ def test_a_lone_request_runs_the_batch_one_step_and_more_grow_the_batch(loaded):
   engine = Engine(loaded.model, slots=4, max_seq_len=32, rounds=2, min_bucket=16,
                   stop_tokens=loaded.stop_tokens)
   assert engine.batch_buckets == [1, 2, 4]
+  engine.compile()
+  _assert_on_device(engine)
+  order = _record_order(engine)
   engine.start()
   try:
     prompts = [tok.encode(t) for t in ("def fibonacci(n):", "import os\n", "class Stack:")]
@@ -72,6 +106,11 @@ def test_a_lone_request_runs_the_batch_one_step_and_more_grow_the_batch(loaded):
     ref = maverick.generate(loaded.model, prompts[:1], max_new_tokens=12,
                             stop_tokens=loaded.stop_tokens)
     assert lone == ref.tokens
+    # The host reads step t's tokens only after step t+1 is queued: the device never waits for it.
+    processed = [t for what, t in order if what == "process"]
+    assert len(processed) >= 3, order
+    for t in processed[:-1]:
+      assert order.index(("dispatch", t + 1)) < order.index(("process", t)), order
     # Three at once take slots 0-2: the batch-4 program, and the rows carried between programs
     # of different sizes (a request starts in one and finishes in another) keep their state.
     lengths = [10, 7, 14]
@@ -112,6 +151,8 @@ def test_speculative_k1_chain(loaded):
   draft = spec_decode.load_draft("tiny", loaded.model)
   engine = Engine(loaded.model, draft, k=1, slots=2, max_seq_len=32, rounds=2, min_bucket=16,
                   stop_tokens=loaded.stop_tokens)
+  engine.compile()
+  _assert_on_device(engine)
   engine.start()
   try:
     prompts = [tok.encode(t) for t in ("def add(a, b):", "for i in range(10):")]
