@@ -55,9 +55,11 @@ def enable_compile_cache(path: str | None) -> str | None:
   if not _CACHE_STATS["listening"]:
     jax.monitoring.register_event_listener(_count_cache_event)
     _CACHE_STATS["listening"] = True
+  from maverick import program_cache  # noqa: PLC0415  (imports jax)
   if not path:
     jax.config.update("jax_enable_compilation_cache", False)
     _CACHE_STATS["dir"] = None
+    program_cache.enable(None)
     return None
   path = os.path.expanduser(path)
   os.makedirs(path, exist_ok=True)
@@ -66,6 +68,8 @@ def enable_compile_cache(path: str | None) -> str | None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   _CACHE_STATS["dir"] = path
+  # Traced programs too (CPU, one device): a cache hit then skips tracing and lowering as well.
+  program_cache.enable(os.path.join(path, "exported"))
   return path
 
 
@@ -74,8 +78,13 @@ def compile_cache_summary() -> str:
   loaded from it (a second identical run should load them all)."""
   if _CACHE_STATS["dir"] is None:
     return "compilation cache off"
-  return (f"{_CACHE_STATS['hits']} of {_CACHE_STATS['requests']} programs loaded from the "
-          f"compilation cache {_CACHE_STATS['dir']}")
+  from maverick import program_cache  # noqa: PLC0415
+  line = (f"{_CACHE_STATS['hits']} of {_CACHE_STATS['requests']} programs loaded from the "
+          "compilation cache")
+  _, looked_up, exported = program_cache.stats()
+  if looked_up:
+    line += f", {exported} of {looked_up} loops without tracing"
+  return line
 
 
 class UsageError(ValueError):

@@ -23,6 +23,7 @@ from flax import nnx
 
 from maverick import kv_cache as kvc
 from maverick import kernels as kernels_lib
+from maverick import program_cache
 from maverick import sampling
 from maverick import sharding
 from maverick.model import Llama4
@@ -251,8 +252,8 @@ _EXECUTABLES = ExecutableCache()
 def compiled_generate(graphdef, state, req: Request, *, steps: int, capacity: int, pad_id: int):
   """Returns (compiled executable, seconds spent compiling now: 0.0 when cached)."""
   key = (graphdef, steps, capacity, pad_id, avals_key(state, req))
-  return _EXECUTABLES.get_or_compile(key, lambda: generate_jit.lower(
-      graphdef, state, req, steps=steps, capacity=capacity, pad_id=pad_id))
+  return _EXECUTABLES.get_or_compile(key, lambda: program_cache.lower(
+      generate_jit, graphdef, state, req, steps=steps, capacity=capacity, pad_id=pad_id))
 
 
 @dataclasses.dataclass

@@ -172,7 +172,7 @@ def main(argv):
     print("(random weights: the text above is noise; this checks the pipeline, not the model)")
   n = int(out.num_tokens.sum())
   print(f"[{loaded.source}] {len(texts)} prompt(s), {n} new tokens | compile {out.compile_seconds:.2f}"
-        f" s | generation {out.run_seconds:.3f} s = {out.tokens_per_second:.1f} tokens/s "
+        f" s ({cli.compile_cache_summary()}) | generation {out.run_seconds:.3f} s = {out.tokens_per_second:.1f} tokens/s "
         f"({out.tokens_per_second / len(texts):.1f} per sequence)")
   if draft is not None:
     rates = " ".join(f"{r:.2f}" for r in out.acceptance_rates)
@@ -181,7 +181,6 @@ def main(argv):
           f"verify step; per-position acceptance {rates}")
   elif note:
     print(note)
-  print(f"compile: {cli.compile_cache_summary()}")
   return 0
 
 
@@ -211,7 +210,8 @@ def _stream(loaded, text, prompt, draft, tree, note, kw) -> int:
   compile_s = sum(c.output.compile_seconds for c in chunks)
   print(f"[{loaded.source}] streamed {n} new tokens in {len(chunks)} device calls of <= "
         f"{_STREAM_CHUNK.value} | first output after {chunks[0].seconds:.2f} s | total "
-        f"{total:.2f} s (compile {compile_s:.2f} s) = {n / max(total - compile_s, 1e-9):.1f} "
+        f"{total:.2f} s (compile {compile_s:.2f} s: {cli.compile_cache_summary()}) = "
+        f"{n / max(total - compile_s, 1e-9):.1f} "
         "tokens/s without compile")
   if draft is not None:
     al = spec_tokens / max(spec_rounds, 1)
@@ -219,7 +219,6 @@ def _stream(loaded, text, prompt, draft, tree, note, kw) -> int:
     print(f"speculative {how}: acceptance length {al:.2f} tokens per verify step")
   elif note:
     print(note)
-  print(f"compile: {cli.compile_cache_summary()}")
   return 0
 
 

@@ -25,6 +25,7 @@ from flax import nnx
 
 from maverick import generation as plain
 from maverick import kernels as kernels_lib
+from maverick import program_cache
 from maverick import sampling
 from maverick import sharding
 from maverick.model import Llama4, TreeMask
@@ -46,6 +47,12 @@ class SpecStats:
   rounds: jax.Array  # [B] verify rounds while the row was active
   accepted: jax.Array  # [B] sum over rounds of (accepted drafts + 1): tokens per verify step
   accepted_at: jax.Array  # [B, K] rounds in which draft position j was accepted
+
+
+# A program output: its structure is saved with exported programs (maverick.program_cache).
+jax.export.register_pytree_node_serialization(
+    SpecStats, serialized_name="spec_decode.speculative.SpecStats",
+    serialize_auxdata=lambda aux: b"", deserialize_auxdata=lambda data: ())
 
 
 def _features(hidden):  # [3, B, T, D] captured layer outputs -> [B, T, 3D], low..high
@@ -222,9 +229,9 @@ def compiled_spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, 
   """(compiled executable, seconds compiling now: 0.0 when cached)."""
   key = (tgt_graphdef, dr_graphdef, k, steps, capacity, pad_id, tree,
          plain.avals_key(tgt_state, dr_state, req))
-  return _EXECUTABLES.get_or_compile(key, lambda: spec_generate_jit.lower(
-      tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, k=k, steps=steps, capacity=capacity,
-      pad_id=pad_id, tree=tree))
+  return _EXECUTABLES.get_or_compile(key, lambda: program_cache.lower(
+      spec_generate_jit, tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, k=k, steps=steps,
+      capacity=capacity, pad_id=pad_id, tree=tree))
 
 
 @dataclasses.dataclass

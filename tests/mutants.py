@@ -16,6 +16,7 @@ import textwrap
 
 import jax
 
+from maverick import program_cache
 from spec_decode import speculative as spec
 from spec_decode import tree as tree_lib
 from spec_decode import verify as verify_lib
@@ -55,6 +56,10 @@ def clear_compiled():
 
 @contextlib.contextmanager
 def applied(m: Mutant):
+  # A mutant edits code in memory, which the exported-program cache's key (the source files)
+  # cannot see: with it on, a mutated loop could load the unmutated program from disk.
+  if program_cache.stats()[0] is not None:
+    raise RuntimeError("mutants need maverick.program_cache off (program_cache.enable(None))")
   fn = _mutated(m)
   saved = []
 

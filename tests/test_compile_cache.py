@@ -1,7 +1,8 @@
 """The persistent compilation cache of the CLI scripts (maverick/cli.py): on by default under
 $MAVERICK_CACHE_DIR/jax_compile, moved or turned off by --compile_cache_dir, and a second identical
 run loads every program from disk instead of compiling it (counted from JAX's own monitoring
-events, not timed)."""
+events, not timed) and its generate loop from the exported-program cache instead of tracing it
+(maverick/program_cache.py, tested on its own in test_program_cache.py)."""
 
 import os
 import pathlib
@@ -14,7 +15,7 @@ import pytest
 from param_utils import single_device_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SUMMARY = re.compile(r"(\d+) of (\d+) programs loaded from the compilation cache (\S+)")
+SUMMARY = re.compile(r"(\d+) of (\d+) programs loaded from the compilation cache")
 
 # A process that turns the cache on the way the scripts do, then compiles two programs.
 _SNIPPET = """
@@ -45,7 +46,7 @@ def _entries(directory: pathlib.Path) -> dict:
 def _summary(stdout: str):
   m = SUMMARY.search(stdout)
   assert m, stdout
-  return int(m.group(1)), int(m.group(2)), m.group(3)
+  return int(m.group(1)), int(m.group(2))
 
 
 def test_second_process_loads_every_program_from_the_cache(tmp_path):
@@ -53,13 +54,13 @@ def test_second_process_loads_every_program_from_the_cache(tmp_path):
                                env=_env(tmp_path), capture_output=True, text=True, timeout=120)
   first = run()
   assert first.returncode == 0, first.stderr
-  hits, compiled, where = _summary(first.stdout)
-  assert hits == 0 and compiled >= 2 and where == str(tmp_path / "cc")
+  hits, compiled = _summary(first.stdout)
+  assert hits == 0 and compiled >= 2
   written = _entries(tmp_path / "cc")
   assert len(written) == compiled
   second = run()
   assert second.returncode == 0, second.stderr
-  assert _summary(second.stdout) == (compiled, compiled, where)
+  assert _summary(second.stdout) == (compiled, compiled)
   assert second.stdout.splitlines()[0] == first.stdout.splitlines()[0]  # same results
   assert _entries(tmp_path / "cc") == written
 
@@ -80,23 +81,30 @@ def test_generate_script_caches_by_default_and_obeys_the_flag(tmp_path):
     return r.stdout
 
   first = run()
-  hits, compiled, where = _summary(first)
-  assert (hits, where) == (0, str(default_dir)) and compiled >= 1
+  hits, compiled = _summary(first)
+  assert hits == 0 and compiled >= 1
+  assert "0 of 1 loops without tracing" in first
   written = _entries(default_dir)
   assert len(written) == compiled
   assert any(name.startswith("jit__spec_generate") for name in written), sorted(written)
+  exported = sorted(p.name for p in (default_dir / "exported").iterdir())
+  assert len(exported) == 1 and exported[0].startswith("spec_generate-"), exported
 
   second = run()
-  assert _summary(second) == (compiled, compiled, str(default_dir))
+  assert _summary(second) == (compiled, compiled)
+  assert "1 of 1 loops without tracing" in second  # not traced again
   text = lambda out: out.split("\n[")[0]  # the continuation, before the stats line
-  assert text(second) == text(first)
+  acceptance = lambda out: [l for l in out.splitlines() if "acceptance length" in l]
+  assert text(second) == text(first) and acceptance(second) == acceptance(first) != []
   assert _entries(default_dir) == written
+  assert sorted(p.name for p in (default_dir / "exported").iterdir()) == exported
 
   off = run("--compile_cache_dir=")
-  assert "compile: compilation cache off" in off and text(off) == text(first)
+  assert "(compilation cache off)" in off and text(off) == text(first)
+  assert acceptance(off) == acceptance(first)
   assert _entries(default_dir) == written
 
   moved = tmp_path / "moved"
   plain = run(f"--compile_cache_dir={moved}", "--spec_k=0")
-  assert _summary(plain)[0] == 0 and _summary(plain)[2] == str(moved)
+  assert _summary(plain)[0] == 0
   assert _entries(moved) and _entries(default_dir) == written

@@ -1,0 +1,159 @@
+"""Exported-program cache: a later process skips tracing and lowering the generate loops.
+
+JAX's persistent compilation cache (turned on by the CLI scripts, maverick/cli.py) keys a compiled
+executable by its lowered module, so every run still traces the loop in Python and lowers it to
+StableHLO before it can look the executable up; on the embedded model that is most of a cache-hit
+start-up. Here the traced and lowered program is also saved with `jax.export`, under a key made of
+everything that decides it: the source of maverick/, spec_decode/ and pallas_kernels/, the jax,
+jaxlib and flax versions, JAX's configuration, the function, its static arguments (graphdefs
+included: they hold the config and kernel settings) and the input shapes, dtypes and shardings. A
+later process with the same key deserializes it and lowers only a call to it; the compilation
+cache then has the executable.
+
+Used only where it has run: one CPU device, no mesh. On a GPU, with sharded inputs, or without the
+`flatbuffers` package (jax.export's serialization needs it), programs are traced as before. Off
+until `enable` is called, which the CLI scripts do next to the compilation cache: a library user's
+in-process generate never reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+from typing import Any, Callable
+
+import jax
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_PACKAGES = ("maverick", "spec_decode", "pallas_kernels")
+SUFFIX = ".exported"
+
+_state: dict[str, Any] = {"dir": None, "requests": 0, "hits": 0}
+
+
+def enable(directory: str | None) -> None:
+  """Saves and loads exported programs under `directory` (None: off)."""
+  if directory is not None:
+    os.makedirs(directory, exist_ok=True)
+  _state["dir"] = directory
+
+
+def stats() -> tuple[str | None, int, int]:
+  """(directory or None when off, programs looked up, programs loaded without tracing)."""
+  return _state["dir"], _state["requests"], _state["hits"]
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+  """sha256 over every .py file of the packages whose code a traced program is made of."""
+  h = hashlib.sha256()
+  for package in _PACKAGES:
+    for path in sorted((_ROOT / package).rglob("*.py")):
+      h.update(str(path.relative_to(_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+  return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _serialization_available() -> bool:
+  try:
+    import flatbuffers  # noqa: F401,PLC0415  (jax.export's serialization imports it)
+  except ImportError:
+    return False
+  return True
+
+
+def _usable(arrays) -> bool:
+  if _state["dir"] is None or not _serialization_available() or jax.default_backend() != "cpu":
+    return False
+  devices = {d for x in arrays for d in x.sharding.device_set}
+  return len(devices) == 1
+
+
+def _key(jitted, tree, statics, arrays) -> str:
+  import flax  # noqa: PLC0415
+  import jaxlib  # noqa: PLC0415
+  import numpy  # noqa: PLC0415
+  fn = getattr(jitted, "__wrapped__", jitted)
+  config = sorted((k, v) for k, v in jax.config.values.items()
+                  if "cache" not in k and "log" not in k)
+  parts = (f"{fn.__module__}.{fn.__qualname__}", source_fingerprint(), jax.__version__,
+           jaxlib.__version__, flax.__version__, numpy.__version__, repr(config),
+           jax.devices()[0].device_kind,
+           str(tree), repr(statics),
+           repr([(x.shape, str(x.dtype), str(x.sharding)) for x in arrays]))
+  h = hashlib.sha256()
+  for part in parts:
+    h.update(part.encode() + b"\0")
+  return f"{fn.__name__.strip('_')}-{h.hexdigest()}"
+
+
+class _FlatLowered:
+  """A lowered call of an exported program; compiles to a callable taking the caller's arguments."""
+
+  def __init__(self, lowered, arg_tree):
+    self._lowered, self._arg_tree = lowered, arg_tree
+
+  def compile(self):
+    return _FlatCompiled(self._lowered.compile(), self._arg_tree)
+
+
+class _FlatCompiled:
+  """Called with the dynamic arguments as the jitted function takes them (pytrees of arrays)."""
+
+  def __init__(self, compiled, arg_tree):
+    self._compiled, self._arg_tree = compiled, arg_tree
+
+  def __call__(self, *args):
+    leaves, tree = jax.tree.flatten(args)
+    if tree != self._arg_tree:
+      raise TypeError(f"an exported program was called with arguments of another structure: "
+                      f"{tree} (compiled for {self._arg_tree})")
+    return self._compiled(*leaves)
+
+  def __getattr__(self, name):  # as_text(), cost_analysis(), ...
+    return getattr(self._compiled, name)
+
+
+def lower(jitted: Callable, *args, **kwargs):
+  """`jitted.lower(*args, **kwargs)`, through the exported-program cache where it is usable.
+
+  Array leaves of the arguments are the program's inputs; every other leaf (graphdefs, ints, tree
+  shapes) is static. Returns an object whose `compile()` gives a callable of the dynamic arguments,
+  as a jax Lowered does."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  is_array = [isinstance(x, jax.Array) for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_array) if a]
+  if not _usable(arrays):
+    return jitted.lower(*args, **kwargs)
+  statics = [x for x, a in zip(leaves, is_array) if not a]
+  dynamic = tuple(a for a in args if jax.tree.leaves(a) and all(
+      isinstance(x, jax.Array) for x in jax.tree.leaves(a)))
+  arg_tree = jax.tree.structure(dynamic)
+  if arg_tree.num_leaves != len(arrays):  # arrays mixed into static arguments: not handled here
+    return jitted.lower(*args, **kwargs)
+  path = os.path.join(_state["dir"], _key(jitted, tree, statics, arrays) + SUFFIX)
+  _state["requests"] += 1
+  try:
+    with open(path, "rb") as f:
+      exported = jax.export.deserialize(bytearray(f.read()))
+    _state["hits"] += 1
+  except Exception:  # noqa: BLE001  (missing, unreadable or from another jax: trace anew)
+    def flat(*arrays_in):
+      it_a, it_s = iter(arrays_in), iter(statics)
+      a, kw = jax.tree.unflatten(tree, [next(it_a) if x else next(it_s) for x in is_array])
+      return jitted(*a, **kw)
+    try:
+      exported = jax.export.export(jax.jit(flat))(*arrays)
+      blob = exported.serialize()
+    except Exception:  # noqa: BLE001  (a program export cannot hold: trace it the usual way)
+      return jitted.lower(*args, **kwargs)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+      f.write(blob)
+    os.replace(tmp, path)
+  def call(*arrays_in):
+    return exported.call(*arrays_in)
+  call.__name__ = getattr(jitted, "__wrapped__", jitted).__name__  # names the compiled module
+  return _FlatLowered(jax.jit(call).lower(*arrays), arg_tree)

@@ -1,0 +1,116 @@
+"""maverick.program_cache: exported programs saved and loaded in place of tracing, keyed so that
+another static argument, other input shapes or other source never load a stale program, and
+skipped where it has not run (inputs on several devices, cache off). Each test turns the cache on
+for a temporary directory and off again."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from maverick import program_cache
+
+
+def _layers(w, x, *, n):
+  for _ in range(n):
+    x = jnp.tanh(x @ w)
+  return x, {"norm": jnp.sqrt((x * x).sum(-1)), "n": jnp.full((), n, jnp.int32)}
+
+
+layers_jit = jax.jit(_layers, static_argnames=("n",))
+
+
+def _reference(w, x, n):  # float64 NumPy
+  w, x = np.asarray(w, np.float64), np.asarray(x, np.float64)
+  for _ in range(n):
+    x = np.tanh(x @ w)
+  return x, np.sqrt((x * x).sum(-1))
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+  program_cache.enable(str(tmp_path))
+  try:
+    yield tmp_path
+  finally:
+    program_cache.enable(None)
+
+
+@pytest.fixture
+def inputs():
+  kw, kx = jax.random.split(jax.random.key(7))
+  return (jax.random.normal(kw, (8, 8), jnp.float32) / 3,
+          jax.random.normal(kx, (4, 8), jnp.float32))
+
+
+def _run(w, x, n):
+  exe = program_cache.lower(layers_jit, w, x, n=n).compile()
+  return exe(w, x)
+
+
+def _check(out, w, x, n):
+  want_x, want_norm = _reference(w, x, n)
+  np.testing.assert_allclose(out[0], want_x, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out[1]["norm"], want_norm, rtol=1e-5, atol=1e-6)
+  assert int(out[1]["n"]) == n
+
+
+def _files(d):
+  return sorted(p.name for p in d.iterdir() if p.name.endswith(program_cache.SUFFIX))
+
+
+def test_second_lowering_loads_the_saved_program(cache_dir, inputs):
+  w, x = inputs
+  _, looked0, hits0 = program_cache.stats()
+  _check(_run(w, x, 3), w, x, 3)
+  assert _files(cache_dir) and len(_files(cache_dir)) == 1
+  assert program_cache.stats()[1:] == (looked0 + 1, hits0)
+  out = _run(w, x, 3)  # from disk: the output structure (a dict in a tuple) comes back too
+  assert program_cache.stats()[1:] == (looked0 + 2, hits0 + 1)
+  _check(out, w, x, 3)
+  assert isinstance(out, tuple) and sorted(out[1]) == ["n", "norm"]
+
+
+def test_static_arguments_shapes_and_source_are_in_the_key(cache_dir, inputs, monkeypatch):
+  w, x = inputs
+  _check(_run(w, x, 2), w, x, 2)
+  _check(_run(w, x, 5), w, x, 5)  # another static argument: another program
+  _check(_run(w, x[:3], 2), w, x[:3], 2)  # another shape
+  assert len(_files(cache_dir)) == 3
+  monkeypatch.setattr(program_cache, "source_fingerprint", lambda: "edited source")
+  hits = program_cache.stats()[2]
+  _check(_run(w, x, 2), w, x, 2)
+  assert program_cache.stats()[2] == hits and len(_files(cache_dir)) == 4
+
+
+def test_an_unreadable_file_is_traced_again_and_replaced(cache_dir, inputs):
+  w, x = inputs
+  _run(w, x, 2)
+  (path,) = cache_dir.iterdir()
+  path.write_bytes(b"not an exported program")
+  hits = program_cache.stats()[2]
+  _check(_run(w, x, 2), w, x, 2)
+  assert program_cache.stats()[2] == hits
+  assert path.read_bytes() != b"not an exported program"
+  assert not [p for p in cache_dir.iterdir() if ".tmp-" in p.name]  # written, then renamed
+
+
+def test_inputs_on_several_devices_and_cache_off_trace_as_before(cache_dir, inputs):
+  w, x = inputs
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  xs = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+  looked = program_cache.stats()[1]
+  lowered = program_cache.lower(layers_jit, w, xs, n=2)
+  assert isinstance(lowered, jax.stages.Lowered) and program_cache.stats()[1] == looked
+  _check(lowered.compile()(w, xs), w, x, 2)
+  program_cache.enable(None)
+  assert isinstance(program_cache.lower(layers_jit, w, x, n=2), jax.stages.Lowered)
+  assert not _files(cache_dir)
+
+
+def test_a_call_with_other_arguments_is_refused(cache_dir, inputs):
+  w, x = inputs
+  exe = program_cache.lower(layers_jit, w, x, n=2).compile()
+  with pytest.raises(TypeError, match="another structure"):
+    exe(w, {"x": x})
