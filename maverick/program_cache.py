@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import pathlib
 from typing import Any, Callable
@@ -147,12 +148,15 @@ def lower(jitted: Callable, *args, **kwargs):
     try:
       exported = jax.export.export(jax.jit(flat))(*arrays)
       blob = exported.serialize()
-    except Exception:  # noqa: BLE001  (a program export cannot hold: trace it the usual way)
+    except Exception as e:  # noqa: BLE001  (a program export cannot hold: trace it as usual)
+      logging.getLogger(__name__).warning("%s is traced on every run: it could not be exported "
+                                          "(%s: %s)", path, type(e).__name__, e)
       return jitted.lower(*args, **kwargs)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
       f.write(blob)
     os.replace(tmp, path)
+
   def call(*arrays_in):
     return exported.call(*arrays_in)
   call.__name__ = getattr(jitted, "__wrapped__", jitted).__name__  # names the compiled module

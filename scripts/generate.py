@@ -172,8 +172,9 @@ def main(argv):
     print("(random weights: the text above is noise; this checks the pipeline, not the model)")
   n = int(out.num_tokens.sum())
   print(f"[{loaded.source}] {len(texts)} prompt(s), {n} new tokens | compile {out.compile_seconds:.2f}"
-        f" s ({cli.compile_cache_summary()}) | generation {out.run_seconds:.3f} s = {out.tokens_per_second:.1f} tokens/s "
-        f"({out.tokens_per_second / len(texts):.1f} per sequence)")
+        f" s ({cli.compile_cache_summary()}) | generation {out.run_seconds:.3f} s = "
+        f"{out.tokens_per_second:.1f} tokens/s ({out.tokens_per_second / len(texts):.1f} per "
+        "sequence)")
   if draft is not None:
     rates = " ".join(f"{r:.2f}" for r in out.acceptance_rates)
     how = f"tree {tree}" if tree is not None else f"K={_SPEC_K.value}"

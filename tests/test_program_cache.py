@@ -114,3 +114,16 @@ def test_a_call_with_other_arguments_is_refused(cache_dir, inputs):
   exe = program_cache.lower(layers_jit, w, x, n=2).compile()
   with pytest.raises(TypeError, match="another structure"):
     exe(w, {"x": x})
+
+
+def test_a_program_export_cannot_hold_is_traced_as_usual(cache_dir, inputs, caplog):
+  """A host callback has no serialized form: warned once, lowered the usual way, nothing saved."""
+  _, x = inputs
+  with_callback = jax.jit(lambda x: jax.pure_callback(
+      lambda a: np.sin(a), jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+  with caplog.at_level("WARNING", logger="maverick.program_cache"):
+    lowered = program_cache.lower(with_callback, x)
+  assert isinstance(lowered, jax.stages.Lowered)
+  assert "could not be exported" in caplog.text
+  np.testing.assert_allclose(lowered.compile()(x), np.sin(np.asarray(x)), rtol=1e-6)
+  assert not _files(cache_dir)
