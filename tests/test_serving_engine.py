@@ -122,7 +122,12 @@ def test_a_lone_request_runs_the_batch_one_step_and_more_grow_the_batch(loaded):
     assert engine.error is None and engine.active == 0
     # A device call that fails ends the running and the waiting requests with an error event
     # (none hangs), and the engine refuses new ones with the reason.
+    # The failing step waits until both requests are in (the first running, the second waiting):
+    # without that, the first could fail the engine before the second is submitted.
+    both_submitted = threading.Event()
+
     def broken(*args):
+      both_submitted.wait(WAIT_S)
       raise RuntimeError("device lost")
     for n in engine.batch_buckets:
       engine._exes["step", n] = broken
@@ -135,6 +140,7 @@ def test_a_lone_request_runs_the_batch_one_step_and_more_grow_the_batch(loaded):
         finished.set()
     for p in prompts[:2]:
       engine.submit(p, on_event, max_tokens=4)
+    both_submitted.set()
     assert finished.wait(WAIT_S)
     assert [e.finish_reason for e in events] == ["error", "error"]
     assert "device lost" in repr(engine.error)
