@@ -49,7 +49,9 @@ def _count_cache_event(event: str, **_) -> None:
 def enable_compile_cache(path: str | None) -> str | None:
   """Turns JAX's on-disk compilation cache on at `path` (None: the default, "": off). Every
   program is cached, however quick to compile: on a small model most compiles take under the
-  1 s JAX caches by default. Returns the directory used, or None when off."""
+  1 s JAX caches by default. On CPU with one device the traced generate loops are kept too, in
+  `<path>/exported` (maverick/program_cache.py), so a later run skips tracing them. Returns the
+  directory used, or None when off."""
   import jax  # noqa: PLC0415  (late: --help stays instant)
   path = default_compile_cache_dir() if path is None else path
   if not _CACHE_STATS["listening"]:
