@@ -20,10 +20,13 @@ Sections, each with its own time budget (a case that would start past it is reco
            together are larger than twice the L2. Device time from CUPTI; fractions are of the
            datasheet peaks in PEAKS.
   e2e      a Maverick TP8-rank shard (every width / 8, all 48 layers, FP8 weights, random, built on
-           the device): decode step and EAGLE-3 (K=3) round, kernels "pallas" and "xla", with the
-           on-device loop flags of maverick.gpu_flags on (this process) and off (a child process of
-           this script, run first, because XLA reads its flags once at start-up), and the
-           device-to-host copies inside one generate call counted from a jax.profiler trace.
+           the device): decode step and EAGLE-3 (K=3) round, kernels "auto" (the default: each
+           kernel after its on-device self-check; the row counts the Mosaic calls the compiled
+           program holds) and "xla", with the on-device loop flags of maverick.gpu_flags on (this
+           process) and off (a child process of this script, run first, plain decode on XLA,
+           because XLA reads its flags once at start-up), and the device-to-host copies inside one
+           generate call counted from a jax.profiler trace of the very program generate() ran (a
+           trace with no GPU activity is an error, not 0 copies).
 """
 
 from __future__ import annotations
@@ -56,12 +59,15 @@ TP = 8  # tensor-parallel ranks of the shard shapes
 GOALS = (
     ("decode_fp8_gemm", "decode FP8 GEMM >= 80% of HBM peak"),
     ("prefill_fp8_gemm", "prefill FP8 GEMM >= 1.0x the XLA FP8 dot"),
-    ("grouped_gemm", "grouped GEMM >= 1.0x ragged_dot_mgpu"),
+    ("grouped_gemm", "grouped GEMM >= 1.0x jax's ragged dot (ragged_dot_mgpu; "
+     "blackwell_ragged_dot_mgpu on B200)"),
     ("decode_attention", "decode attention >= 70% of HBM peak at 8k context"),
     ("shard_decode_step", "TP8-rank shard decode step <= 0.8 ms"),
     ("zero_d2h", "zero device-to-host copies inside a generate call"),
 )
 SECTIONS = ("kernels", "timings", "e2e")
+# The goal's baseline: jax's Mosaic GPU ragged dot for the GPU at hand (Hopper or Blackwell kernel).
+GROUPED_BASELINE = "jax ragged dot (mgpu)"
 NOT_MEASURED = "not measured"
 
 
@@ -247,8 +253,14 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
 
     baselines = {"xla reference": (_same, call("xla"))}
     if "ragged_dot" in mgpu:
-      baselines["jax ragged_dot_mgpu"] = (_same, ragged(
-          lambda x, w, g: mgpu["ragged_dot"](x, w, g, transpose_rhs=fp8)))
+      prep = _same
+      if fp8 and mgpu.get("ragged_dot_needs_ekn"):
+        nw_ = 2 if swiglu else 1
+        prep = lambda a: (a[0], *[jnp.swapaxes(w, 1, 2).copy() for w in a[1:1 + nw_]],
+                          *a[1 + nw_:])
+      transpose = fp8 and not mgpu.get("ragged_dot_needs_ekn")
+      baselines[GROUPED_BASELINE] = (prep, ragged(
+          lambda x, w, g: mgpu["ragged_dot"](x, w, g, transpose_rhs=transpose)))
     baselines["lax.ragged_dot (footnote)"] = (_same, ragged(lax_dot))
     item = jnp.dtype(dtype).itemsize
     nw = 2 if swiglu else 1
@@ -377,6 +389,16 @@ def _jax_mgpu_ops(arch: str) -> dict:
     ops["ragged_dot"] = lambda x, w, g, transpose_rhs, mod=mod: mod.ragged_dot(
         x, w, group_sizes=g, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
         grid_block_n=1, transpose_rhs=transpose_rhs)
+    ops["ragged_dot_name"] = "ragged_dot_mgpu"
+  if arch == "sm100" and (mod := load("blackwell_ragged_dot_mgpu")):
+    # Takes w as [E, K, N] only: K-major (FP8) weights are transposed outside the timed call.
+    cfg = mod.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                           collective=False, grid_tile_width=1,
+                           grid_minor_dim=mod.blackwell_matmul_mgpu.MatmulDimension.M)
+    ops["ragged_dot"] = lambda x, w, g, transpose_rhs, mod=mod, cfg=cfg: mod.ragged_dot_kernel(
+        x, w, g, cfg)
+    ops["ragged_dot_name"] = "blackwell_ragged_dot_mgpu"
+    ops["ragged_dot_needs_ekn"] = True
   if arch == "sm90" and (mod := load("attention_mgpu")):
     cfg = mod.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
     ops["attention"] = lambda q, k, v, mod=mod, cfg=cfg: mod.attention(q, k, v, cfg)
@@ -567,24 +589,32 @@ def run_e2e(toy: bool, interpret: bool, kernels_list, modes, budget: Budget, loo
         with jax.profiler.trace(d):
           jax.block_until_ready(exe(*args))  # the executable only: not the fetch of the results
         files = [p for p in profiling.trace_files(d) if p.name.endswith(".xplane.pb")]
-        return profiling.count_device_to_host(files[0]) if files else "no trace file written"
+        if not files:
+          return f"{NOT_MEASURED}: no trace file written"
+        # Raises when the trace holds no GPU activity at all: 0 copies must mean 0, not "unseen".
+        return profiling.count_device_to_host(files[0], require_device_activity=True)
     except Exception as e:
       return f"{NOT_MEASURED}: {_error(e)}"
 
-  # Plain decode first (the step-time and zero-copy goals), pallas before xla within a mode.
-  for mode in modes:
-    for kernels in kernels_list:
+  # In the order given (XLA first by default: its compiles are the quick ones), plain decode (the
+  # step-time and zero-copy goals) before the speculative round.
+  for kernels in kernels_list:
+    for mode in modes:
       row = dict(base, kernels=kernels, mode=mode)
       if budget.over():
         row["status"] = "skipped: over the section's time budget"
         emit(row)
         continue
       try:
-        kernels_lib.set_kernels(model, kernels)
-        kernels_lib.set_kernels(draft, kernels)
+        switch = None if kernels == "auto" else kernels
+        kernels_lib.set_kernels(model, switch)
+        kernels_lib.set_kernels(draft, switch)
         if mode == "plain":
+          build = lambda n: plain.program(model, prompts, max_new_tokens=n, stop_tokens=[])
           call = lambda n: plain.generate(model, prompts, max_new_tokens=n, stop_tokens=[])
         else:
+          build = lambda n: speculative.program(model, draft, prompts, k=3, max_new_tokens=n,
+                                                stop_tokens=[])
           call = lambda n: spec_decode.generate(model, draft, prompts, k=3, max_new_tokens=n,
                                                 stop_tokens=[])
         first = call(long_new)
@@ -604,27 +634,23 @@ def run_e2e(toy: bool, interpret: bool, kernels_list, modes, budget: Budget, loo
         row["tokens_per_s"] = float(g_long.num_tokens.sum()) / t_long
         row["decode_tokens_per_s"] = batch * (1 if mode == "plain" else
                                               g_long.acceptance_length) / (per / 1e3)
-        # Device-to-host copies inside one call of the compiled program.
-        req, steps_b, cap = plain.prepare(model.config, prompts, max_new_tokens=long_new,
-                                          stop_tokens=[])
-        req = sharding.place_request(req, sharding.plan_of(model))
-        pad = plain.resolve_pad_id(model.config, None)
-        graphdef, state = nnx.split(model)
-        if mode == "plain":
-          exe, _ = plain.compiled_generate(graphdef, state, req, steps=steps_b, capacity=cap,
-                                           pad_id=pad)
-          args = (state, req)
-        else:
-          dgraph, dstate = nnx.split(draft)
-          exe, _ = speculative.compiled_spec_generate(graphdef, state, dgraph, dstate, req, k=3,
-                                                      steps=steps_b, capacity=cap + 4, pad_id=pad)
-          args = (state, dstate, req)
+        # The very program generate() ran for the long call (cached: no compile here).
+        exe, args, _ = build(long_new)
+        row["mosaic_kernel_calls"] = _count_mosaic_calls(exe)
         row["d2h_copies_per_call"] = count_d2h(exe, args)
         row["status"] = "ok"
       except Exception as e:
         row["status"] = f"failed: {_error(e)}"
         row["traceback"] = traceback.format_exc()[-1500:]
       emit(row)
+
+
+def _count_mosaic_calls(exe) -> int | str:
+  """Mosaic GPU custom calls in a compiled program: which kernels the model dispatched."""
+  try:
+    return len(re.findall(r'custom_call_target="mosaic_gpu', exe.as_text()))
+  except Exception as e:  # an executable without HLO text (a deserialized one): say so
+    return f"unknown: {_error(e)}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -652,7 +678,7 @@ def evaluate_goals(p: dict) -> list[dict]:
       add(key, text, NOT_MEASURED if w is None else f"worst {w[0]:.1%} ({w[1]})", 0.8,
           None if w is None else w[0] >= 0.8)
     elif key in ("prefill_fp8_gemm", "grouped_gemm"):
-      base = "xla_fp8_dot_scaled (cuBLASLt)" if key == "prefill_fp8_gemm" else "jax ragged_dot_mgpu"
+      base = "xla_fp8_dot_scaled (cuBLASLt)" if key == "prefill_fp8_gemm" else GROUPED_BASELINE
       w = worst([r for r in timings if r["goal"] == key], lambda r: r["speedup"].get(base))
       add(key, text, NOT_MEASURED if w is None else f"worst {w[0]:.2f}x ({w[1]})", 1.0,
           None if w is None else w[0] >= 1.0)
@@ -686,6 +712,9 @@ def render_markdown(p: dict) -> str:
   lines = [f"# GPU check: {p['device_kind']}", "",
            f"`{p['command']}` | jax {p['jax']} | {p['timing']}", "",
            f"Loop flags ({p['loop_flags']['status']}): `{p['loop_flags']['xla_flags']}`", "",
+           "Section wall times (s, compiles included): " + (", ".join(
+               f"{k} {v:.0f}" for k, v in p.get("section_s", {}).items()) or "-")
+           + (f"; whole run {p['wall_s']:.0f}" if "wall_s" in p else ""), "",
            "## Goals", "", "| goal | measured | met |", "|---|---|---|"]
   for g in p.get("goals", []):
     met = {True: "yes", False: "**no**", None: "-"}[g["met"]]
@@ -729,39 +758,107 @@ def render_markdown(p: dict) -> str:
 # Entry point.
 # ------------------------------------------------------------------------------------------------
 def parse_args(argv):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--interpret", action="store_true", help="kernels in GPU interpret mode (any host)")
   ap.add_argument("--toy", action="store_true", help="tiny shapes and a tiny model")
   ap.add_argument("--sections", default=",".join(SECTIONS), help=f"of {SECTIONS}")
-  ap.add_argument("--budget_s", type=float, default=570.0, help="whole run, compiles included")
+  ap.add_argument("--budget_s", type=float, default=510.0,
+                  help="whole run, compiles included (a watchdog writes the results and exits 20 s "
+                  "past it)")
   ap.add_argument("--iters", type=int, default=None, help="timed runs per function (median)")
   ap.add_argument("--batch", type=int, default=1, help="e2e batch")
-  ap.add_argument("--e2e_kernels", default=None, help="comma list (default pallas,xla; toy: xla)")
+  ap.add_argument("--e2e_kernels", default=None,
+                  help="comma list, run in this order, of xla, auto (the default path: kernels "
+                  "that pass their on-device self-check) and pallas (default xla,auto; toy: xla)")
   ap.add_argument("--e2e_modes", default="plain,spec", help="plain (decode step) and/or spec "
                   "(EAGLE-3 K=3 round)")
   ap.add_argument("--no_flags_off", action="store_true", help="skip the flags-off child run")
   ap.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "results"))
-  ap.add_argument("--child_out", default=None, help=argparse.SUPPRESS)  # the flags-off child
+  # An e2e child process: where it writes its rows, and the loop flags it runs with.
+  ap.add_argument("--child_out", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--child_flags", choices=("on", "off"), default=None, help=argparse.SUPPRESS)
   return ap.parse_args(argv)
 
 
-# Share of the whole budget per section.
-# The parent's e2e gets what is left (about 40 %): its compiles of the 48-layer shard are the longest.
-SHARES = {"kernels": 0.15, "timings": 0.25, "flags_off_child": 0.2}
+# Share of the whole budget per section, in the order they run (the timings get what is left).
+# Measured on an H200 (2026-12-04, jax 0.11.2): a child building the 48-layer shard takes 25 s,
+# the XLA decode program compiles in 46 s, and the flags-off child's one row took 87 s in all;
+# with the kernels ("auto"), the plain decode program had not finished compiling after 420 s, so
+# the flags-on child runs XLA first and the kernels after it.
+SHARES = {"e2e_flags_off": 0.17, "e2e_flags_on": 0.45, "kernels": 0.13, "timings": 0.25}
+
+
+def _run_e2e_child(args, flags: str, kernels, modes, seconds: float):
+  """Runs e2e rows in a child process with the loop flags on or off. Returns (rows, note,
+  seconds it ran); rows it finished before its time limit are kept."""
+  rows, note = [], None
+  with tempfile.TemporaryDirectory() as d:
+    out = Path(d) / "child.json"
+    env = dict(os.environ)
+    if flags == "off":
+      env["MAVERICK_GPU_LOOP_FLAGS"] = "0"
+      env.pop("XLA_FLAGS", None)
+      if _ORIGINAL_XLA_FLAGS is not None:
+        env["XLA_FLAGS"] = _ORIGINAL_XLA_FLAGS
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--sections", "e2e", "--budget_s",
+           str(seconds), "--batch", str(args.batch), "--child_out", str(out), "--child_flags",
+           flags, "--e2e_kernels", ",".join(kernels), "--e2e_modes", ",".join(modes)]
+    cmd += ["--interpret"] * args.interpret + ["--toy"] * args.toy
+    t = time.monotonic()
+    try:
+      proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 30)
+      if proc.returncode != 0 or not out.exists():
+        note = f"flags-{flags} child exited {proc.returncode}: {proc.stderr[-800:]}"
+    except subprocess.TimeoutExpired:  # the rows it finished are in its file already
+      note = f"flags-{flags} child stopped at its time limit ({seconds + 30:.0f} s)"
+    if out.exists():
+      rows = json.loads(out.read_text())
+    ran = time.monotonic() - t
+  for row in rows:
+    print(f"[e2e] {row.get('mode')} kernels={row.get('kernels')} flags={row.get('loop_flags')}"
+          f" step/round ms={_fmt(row.get('per_step_ms', row.get('per_round_ms')), '.3f')} "
+          f"d2h={row.get('d2h_copies_per_call')} {str(row.get('status'))[:80]}", flush=True)
+  done = {(r.get("mode"), r.get("kernels")) for r in rows}
+  missing = [f"{m}/{k}" for k in kernels for m in modes if (m, k) not in done]
+  if missing:
+    note = (note or f"flags-{flags} child") + f"; not finished: {', '.join(missing)}"
+  return rows, note and f"{note} (child ran {ran:.0f} s)", ran
+
+
+def _e2e_child(args, kernels, modes, loop_flags: str) -> int:
+  from pallas_kernels import common
+  on_gpu = common.gpu_arch() is not None and not args.interpret
+  rows = []
+
+  def emit(row):  # rewritten after every row: a child stopped at its limit keeps them
+    rows.append(row)
+    tmp = Path(args.child_out + ".tmp")
+    tmp.write_text(json.dumps(rows, default=str))
+    os.replace(tmp, args.child_out)
+
+  run_e2e(args.toy, args.interpret, kernels, modes, Budget(args.budget_s), loop_flags,
+          args.batch, on_gpu, emit)
+  return 0
 
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  child = args.child_out is not None
   sections = [s for s in args.sections.split(",") if s]
   unknown = set(sections) - set(SECTIONS)
   if unknown:
     raise SystemExit(f"--sections: unknown {sorted(unknown)}; choose from {SECTIONS}")
+  e2e_kernels = (args.e2e_kernels or ("xla" if args.toy else "xla,auto")).split(",")
+  if set(e2e_kernels) - {"auto", "pallas", "xla"}:
+    raise SystemExit(f"--e2e_kernels: {args.e2e_kernels!r}; use xla, auto and/or pallas")
+  e2e_modes = [m for m in args.e2e_modes.split(",") if m]
+  if set(e2e_modes) - {"plain", "spec"}:
+    raise SystemExit(f"--e2e_modes: {args.e2e_modes!r}; use plain and/or spec")
   start = time.monotonic()
   total = Budget(args.budget_s)
 
   # Flags first: XLA reads XLA_FLAGS once, when the first backend starts.
-  if child:
+  if args.child_flags == "off":
     os.environ["MAVERICK_GPU_LOOP_FLAGS"] = "0"
   from maverick import gpu_flags
   flag_status = gpu_flags.configure()
@@ -772,38 +869,27 @@ def main(argv=None) -> int:
     # A trace shows what runs unprofiled only if command buffers stay on while profiling.
     os.environ["XLA_FLAGS"] = gpu_flags.merge(
         os.environ.get("XLA_FLAGS"), (("xla_enable_command_buffers_during_profiling", "true"),))
-  loop_flags = "off" if child or gpu_flags.disabled() else "on"
-  if not gpu_flags.cuda_expected():
+  loop_flags = "off" if gpu_flags.disabled() else "on"
+  if not gpu_flags.cuda_expected() and args.child_flags != "off":
     loop_flags = "n/a (no CUDA backend)"
 
-  # The flags-off e2e run: a child process, before this process touches the GPU (no memory shared).
-  child_rows, child_note = [], None
-  if "e2e" in sections and not child and not args.no_flags_off:
-    child_budget = args.budget_s * SHARES["flags_off_child"]
-    with tempfile.TemporaryDirectory() as d:
-      out = Path(d) / "child.json"
-      env = dict(os.environ, MAVERICK_GPU_LOOP_FLAGS="0")
-      env.pop("XLA_FLAGS", None)
-      if _ORIGINAL_XLA_FLAGS is not None:
-        env["XLA_FLAGS"] = _ORIGINAL_XLA_FLAGS
-      cmd = [sys.executable, str(Path(__file__).resolve()), "--sections", "e2e", "--budget_s",
-             str(child_budget), "--batch", str(args.batch), "--child_out", str(out),
-             "--e2e_kernels", (args.e2e_kernels or ("xla" if args.toy else "pallas")),
-             "--e2e_modes", args.e2e_modes]
-      cmd += ["--interpret"] * args.interpret + ["--toy"] * args.toy
-      t = time.monotonic()
-      try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              timeout=child_budget + 30)
-        if out.exists():
-          child_rows = json.loads(out.read_text())
-        if proc.returncode != 0 or not out.exists():
-          child_note = f"flags-off child exited {proc.returncode}: {proc.stderr[-800:]}"
-      except subprocess.TimeoutExpired:  # the rows it finished are in its file already
-        child_note = "flags-off child stopped at its time limit"
-        if out.exists():
-          child_rows = json.loads(out.read_text())
-      child_note = (child_note or "") + f" (child ran {time.monotonic() - t:.0f} s)"
+  if args.child_flags is not None:  # an e2e child: only its rows, as JSON, for the parent
+    return _e2e_child(args, e2e_kernels, e2e_modes, loop_flags)
+
+  # The end-to-end runs first, each set in a child process started before this process touches
+  # the GPU: a child's 50 GB model is freed when it exits, a compile that runs past its share is
+  # killed with it (a compile cannot be interrupted in-process), its jax.profiler trace is the
+  # only CUPTI user in its process, and the flags-off child starts XLA with other flags.
+  e2e_rows, e2e_notes, section_s = [], [], {}
+  if "e2e" in sections:
+    plans = [] if args.no_flags_off else [("off", ["xla"], e2e_modes[:1], "e2e_flags_off")]
+    plans.append(("on", e2e_kernels, e2e_modes, "e2e_flags_on"))
+    for flags, kernels, modes, share in plans:
+      seconds = min(args.budget_s * SHARES[share], max(0.0, total.left()))
+      rows, note, section_s[share] = _run_e2e_child(args, flags, kernels, modes, seconds)
+      e2e_rows += rows
+      if note:
+        e2e_notes.append(note)
 
   import jax
 
@@ -817,23 +903,6 @@ def main(argv=None) -> int:
   device = sanitize(kind) if on_gpu else "cpu-interpret" + ("-toy" if args.toy else "")
   peaks = peaks_for(kind) if on_gpu else None
   iters = args.iters or (1 if args.interpret else 10)
-  e2e_kernels = (args.e2e_kernels or ("xla" if args.toy else "pallas,xla")).split(",")
-  e2e_modes = [m for m in args.e2e_modes.split(",") if m]
-  if set(e2e_modes) - {"plain", "spec"}:
-    raise SystemExit(f"--e2e_modes: {args.e2e_modes!r}; use plain and/or spec")
-
-  if child:  # only the e2e rows, as JSON, for the parent
-    rows = []
-
-    def emit_child(row):  # rewritten after every row: a child stopped at its limit keeps them
-      rows.append(row)
-      tmp = Path(args.child_out + ".tmp")
-      tmp.write_text(json.dumps(rows, default=str))
-      os.replace(tmp, args.child_out)
-
-    run_e2e(args.toy, args.interpret, e2e_kernels, e2e_modes, Budget(args.budget_s), "off",
-            args.batch, on_gpu, emit_child)
-    return 0
 
   payload = {
       "device": device, "device_kind": kind, "arch": arch, "jax": jax.__version__,
@@ -845,13 +914,15 @@ def main(argv=None) -> int:
                  "host wall-clock of GPU interpret mode: not a GPU speed"),
       "peaks": peaks, "loop_flags": {"status": flag_status,
                                      "xla_flags": os.environ.get("XLA_FLAGS", "")},
-      "budget_s": args.budget_s, "kernels": [], "timings": [], "e2e": [], "notes": [],
+      "budget_s": args.budget_s, "kernels": [], "timings": [], "e2e": e2e_rows,
+      "notes": list(e2e_notes),
+      # Wall seconds each section took, compiles included (e2e: each child process's whole run).
+      "section_s": section_s,
   }
   if on_gpu and peaks is None:
     payload["notes"].append(f"no datasheet peaks for {kind!r}: fractions of peak not computed")
-  if child_note:
-    payload["notes"].append(child_note.strip())
   results = Results(Path(args.out_dir), device, payload)
+  results.write()
 
   def hard_stop():  # a compile cannot be interrupted: at the hard deadline, write and leave
     payload["notes"].append(f"stopped at the hard deadline ({args.budget_s + 20:.0f} s after the "
@@ -867,6 +938,7 @@ def main(argv=None) -> int:
         sections) else []
     if "kernels" in sections:
       budget = Budget(args.budget_s * SHARES["kernels"], total)
+      t = time.monotonic()
       for case in cases:
         row = (check_case(case, args.interpret) if not budget.over() else
                {"op": case.op, "case": case.name, "correct": None,
@@ -874,9 +946,11 @@ def main(argv=None) -> int:
         payload["kernels"].append(row)
         print(f"[kernels] {case.op:18s} {case.name:70s} {row.get('rel_error', '-')!s:>10.10s} "
               f"{row['status'][:60]}", flush=True)
+        section_s["kernels"] = time.monotonic() - t
         results.write()
     if "timings" in sections:
-      budget = Budget(args.budget_s * SHARES["timings"], total)
+      budget = Budget(max(0.0, total.left()), total)
+      t = time.monotonic()
       for case in cases:
         if budget.over():
           row = {"op": case.op, "case": case.name, "status": "skipped: over the section's time budget"}
@@ -886,22 +960,9 @@ def main(argv=None) -> int:
         payload["timings"].append(row)
         print(f"[timings] {case.op:18s} {case.name:70s} {_fmt(row.get('time_us'))} us "
               f"{row['status'][:60]}", flush=True)
+        section_s["timings"] = time.monotonic() - t
         results.write()
     cases = None
-    if "e2e" in sections:
-      for r in child_rows:
-        payload["e2e"].append(r)
-      budget = Budget(max(0.0, total.left()), total)
-
-      def emit(row):
-        payload["e2e"].append(row)
-        print(f"[e2e] {row.get('mode')} kernels={row.get('kernels')} flags={row.get('loop_flags')}"
-              f" step/round ms={_fmt(row.get('per_step_ms', row.get('per_round_ms')), '.3f')} "
-              f"d2h={row.get('d2h_copies_per_call')} {str(row.get('status'))[:80]}", flush=True)
-        results.write()
-
-      run_e2e(args.toy, args.interpret, e2e_kernels, e2e_modes, budget, loop_flags, args.batch,
-              on_gpu, emit)
   finally:
     watchdog.cancel()
     payload["wall_s"] = time.monotonic() - start

@@ -268,14 +268,12 @@ class Generation:
     return float(self.num_tokens.sum()) / max(self.run_seconds, 1e-9)
 
 
-def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=64,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             stop_tokens=None, max_cache_len: int | None = None,
-             pad_id: int | None = None) -> Generation:
-  """Generates continuations of a batch of token-id prompts in one device call.
-
-  stop_tokens: one list for all rows or one list per row (default: the config's eos ids).
-  """
+def program(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=64,
+            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+            stop_tokens=None, max_cache_len: int | None = None, pad_id: int | None = None):
+  """(compiled program, its arguments, compile seconds) of one `generate` call: `generate` runs
+  exactly `exe(*args)`, so a benchmark or profiler that calls this measures the same program
+  (cache capacity, buckets and kernels included)."""
   req, steps, capacity = prepare(
       model.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
       top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
@@ -284,8 +282,22 @@ def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=
   capacity = kernels_lib.cache_capacity(capacity, model)
   exe, compile_s = compiled_generate(graphdef, state, req, steps=steps, capacity=capacity,
                                      pad_id=resolve_pad_id(model.config, pad_id))
+  return exe, (state, req), compile_s
+
+
+def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_tokens=None, max_cache_len: int | None = None,
+             pad_id: int | None = None) -> Generation:
+  """Generates continuations of a batch of token-id prompts in one device call.
+
+  stop_tokens: one list for all rows or one list per row (default: the config's eos ids).
+  """
+  exe, args, compile_s = program(
+      model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+      top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len, pad_id=pad_id)
   start = time.perf_counter()
-  tokens, num = exe(state, req)
+  tokens, num = exe(*args)
   tokens, num = sharding.to_host(tokens), sharding.to_host(num)
   run_s = time.perf_counter() - start
   return Generation(tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)], num_tokens=num,

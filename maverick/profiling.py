@@ -45,8 +45,32 @@ def trace_files(log_dir: str | Path) -> list[Path]:
   return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
+class NoDeviceActivity(RuntimeError):
+  """The trace recorded nothing on any GPU: a copy count from it would be a false zero."""
+
+
 def memcpy_counts(path: str | Path) -> collections.Counter:
   """{memcpy activity name: count} over the device planes of one trace file."""
+  return _device_counts(path)[0]
+
+
+def device_event_count(path: str | Path) -> int:
+  """Every activity (kernel, memcpy, ...) recorded on the device planes of one trace file."""
+  return _device_counts(path)[1]
+
+
+def count_device_to_host(path: str | Path, *, require_device_activity: bool = False) -> int:
+  """Device-to-host memcpy activities in one trace file. With `require_device_activity`, a trace
+  with no GPU activity at all (no CUPTI: a CPU-only run, a profiler that did not attach) raises
+  NoDeviceActivity instead of reporting 0 copies."""
+  copies, events = _device_counts(path)
+  if require_device_activity and events == 0:
+    raise NoDeviceActivity(f"{path} has no activity on any GPU plane (CUPTI recorded nothing): "
+                           "its device-to-host copy count would be a false 0")
+  return sum(n for name, n in copies.items() if is_device_to_host(name))
+
+
+def _device_counts(path: str | Path) -> tuple[collections.Counter, int]:
   path = Path(path)
   if path.name.endswith(".xplane.pb"):
     from jax._src.lib import _profile_data  # local: only needed for xplane files
@@ -56,36 +80,34 @@ def memcpy_counts(path: str | Path) -> collections.Counter:
     return _json_counts(json.load(f))
 
 
-def count_device_to_host(path: str | Path) -> int:
-  """Device-to-host memcpy activities in one trace file."""
-  return sum(n for name, n in memcpy_counts(path).items() if is_device_to_host(name))
-
-
-def _xplane_counts(profile) -> collections.Counter:
-  counts = collections.Counter()
+def _xplane_counts(profile) -> tuple[collections.Counter, int]:
+  counts, events = collections.Counter(), 0
   for plane in profile.planes:
     if not _is_device_plane(plane.name):
       continue
     for line in plane.lines:
       for event in line.events:
+        events += 1
         if _MEMCPY.match(event.name):
           counts[event.name] += 1
-  return counts
+  return counts, events
 
 
-def _json_counts(trace: dict | list) -> collections.Counter:
+def _json_counts(trace: dict | list) -> tuple[collections.Counter, int]:
   events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
   process_names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
                    if e.get("ph") == "M" and e.get("name") == "process_name"}
-  counts = collections.Counter()
+  counts, device_events = collections.Counter(), 0
   for e in events:
-    if e.get("ph") != "X" or not _MEMCPY.match(e.get("name", "")):
+    if e.get("ph") != "X":
       continue
     pname = process_names.get(e.get("pid"))
     if pname is not None and not _is_device_plane(pname):
       continue  # a named host process: driver API calls, not copies
-    counts[e["name"]] += 1
-  return counts
+    device_events += pname is not None
+    if _MEMCPY.match(e.get("name", "")):
+      counts[e["name"]] += 1
+  return counts, device_events
 
 
 # ----------------------------------------------------------------------------------------------

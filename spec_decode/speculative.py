@@ -251,17 +251,14 @@ class SpecGeneration(plain.Generation):
     return self.accepted_at.sum(0) / max(int(self.rounds.sum()), 1)
 
 
-def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]], *,
-             k: int = 3, tree: TreeShape | str | None = None, max_new_tokens=64,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             stop_tokens=None, max_cache_len: int | None = None,
-             pad_id: int | None = None) -> SpecGeneration:
-  """Speculative generation with an EAGLE-3 draft: same arguments and output as
-  `maverick.generate`, plus acceptance statistics. Lossless: greedy output equals plain
-  greedy output, and sampled output has the target's distribution.
-
-  k: chain drafting, k draft tokens per round. tree: EAGLE-2 dynamic tree drafting instead
-  (`TreeShape(depth, topk, nodes)` or "DEPTHxTOPKxNODES"); k is then ignored."""
+def program(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]], *,
+            k: int = 3, tree: TreeShape | str | None = None, max_new_tokens=64,
+            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+            stop_tokens=None, max_cache_len: int | None = None,
+            pad_id: int | None = None):
+  """(compiled program, its arguments, compile seconds) of one `generate` call with the same
+  arguments: `generate` runs exactly `exe(*args)`, so benchmarks and profilers measure the same
+  program (cache capacity rounded for the kernels included)."""
   if tree is not None:
     tree = TreeShape.parse(tree) if isinstance(tree, str) else tree
     if not isinstance(tree, TreeShape):
@@ -288,8 +285,26 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
   exe, compile_s = compiled_spec_generate(
       tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, k=k, steps=steps, capacity=capacity,
       pad_id=plain.resolve_pad_id(target.config, pad_id), tree=tree)
+  return exe, (tgt_state, dr_state, req), compile_s
+
+
+def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]], *,
+             k: int = 3, tree: TreeShape | str | None = None, max_new_tokens=64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_tokens=None, max_cache_len: int | None = None,
+             pad_id: int | None = None) -> SpecGeneration:
+  """Speculative generation with an EAGLE-3 draft: same arguments and output as
+  `maverick.generate`, plus acceptance statistics. Lossless: greedy output equals plain
+  greedy output, and sampled output has the target's distribution.
+
+  k: chain drafting, k draft tokens per round. tree: EAGLE-2 dynamic tree drafting instead
+  (`TreeShape(depth, topk, nodes)` or "DEPTHxTOPKxNODES"); k is then ignored."""
+  exe, args, compile_s = program(
+      target, draft, prompts, k=k, tree=tree, max_new_tokens=max_new_tokens,
+      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
+      max_cache_len=max_cache_len, pad_id=pad_id)
   start = time.perf_counter()
-  tokens, num, stats = exe(tgt_state, dr_state, req)
+  tokens, num, stats = exe(*args)
   tokens, num = sharding.to_host(tokens), sharding.to_host(num)
   stats = jax.tree.map(sharding.to_host, stats)
   run_s = time.perf_counter() - start

@@ -69,6 +69,34 @@ def test_chrome_json_trace(tmp_path):
   assert profiling.count_device_to_host(plain) == 2
 
 
+def test_trace_without_gpu_activity_is_not_a_zero(tmp_path):
+  """A trace in which CUPTI recorded nothing on a GPU (a CPU run, a profiler that did not attach)
+  must not read as "0 device-to-host copies": gpu_check's zero-copy goal would pass on it."""
+  import pytest
+  from jax._src.lib import _profile_data
+  host_only = XSPACE[XSPACE.index("planes {\n  id: 2"):]
+  path = tmp_path / "host.xplane.pb"
+  path.write_bytes(_profile_data.ProfileData.text_proto_to_serialized_xspace(host_only))
+  assert profiling.device_event_count(path) == 0
+  assert profiling.count_device_to_host(path) == 0  # the plain count cannot tell
+  with pytest.raises(profiling.NoDeviceActivity, match="no activity on any GPU plane"):
+    profiling.count_device_to_host(path, require_device_activity=True)
+  # A GPU trace with activity but no device-to-host copy is a real 0.
+  no_copy = XSPACE.replace("events { metadata_id: 1 offset_ps: 1000 duration_ps: 500 }", "")
+  no_copy = no_copy.replace("events { metadata_id: 1 offset_ps: 9000 duration_ps: 500 }", "")
+  gpu = tmp_path / "gpu.xplane.pb"
+  gpu.write_bytes(_profile_data.ProfileData.text_proto_to_serialized_xspace(no_copy))
+  assert profiling.device_event_count(gpu) == 2
+  assert profiling.count_device_to_host(gpu, require_device_activity=True) == 0
+  # Chrome JSON: the same rule.
+  events = [{"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "X", "pid": 2, "tid": 1, "name": "MemcpyD2H", "ts": 5, "dur": 1}]
+  js = tmp_path / "host.trace.json"
+  js.write_text(json.dumps(events))
+  with pytest.raises(profiling.NoDeviceActivity):
+    profiling.count_device_to_host(js, require_device_activity=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Op time by named scope
 # ----------------------------------------------------------------------------------------------
