@@ -15,6 +15,7 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from nvidia_eagle3_fixture import AUX, VD, nvidia_config, write_head
 from safetensors.numpy import save_file
 
@@ -233,8 +234,9 @@ def test_unsorted_aux_ids_read_features_in_layer_order(fixture_model, hf_fixture
   # The check has teeth: the listed order gives other logits.
   assert np.linalg.norm(reference(listed) - want) > 0.1 * np.linalg.norm(want)
   logits = {}
+  target = nnx.split(fixture_model)  # jitted: the eager forward takes ~20 s on CPU
   for name, draft in drafts.items():  # as the speculative loop runs it: capture, concat, fc
-    out = fixture_model(jnp.asarray(inputs), capture_layers=draft.config.aux_layer_ids)
+    out = model_lib.apply(*target, jnp.asarray(inputs), capture_layers=draft.config.aux_layer_ids)
     feats = speculative._features(out.hidden)[:, :-1]
     logits[name] = np.asarray(draft(jnp.asarray(tokens), draft.fuse(feats), jnp.asarray(embed),
                                     cache=draft.init_cache(B, T), prefill=True).logits)
