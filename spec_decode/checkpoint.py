@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import struct
@@ -301,6 +302,11 @@ def eagle3_config_from_hf(raw: Mapping[str, Any], target_config: Config, *,
     cfg.check_target(target_config)
   except DraftConfigError as e:
     raise DraftConfigError(f"{where}: {e}") from None
+  if list(aux) != list(cfg.aux_layer_ids):  # e.g. ModelOpt's exporter writes list(set(ids))
+    logging.getLogger(__name__).warning(
+        "%s: eagle_aux_hidden_state_layer_ids %s sorted to %s: the draft reads the target's "
+        "features in layer order, as ModelOpt's training collects them and TensorRT-LLM reads "
+        "them", where, list(aux), list(cfg.aux_layer_ids))
   return cfg
 
 

@@ -45,7 +45,10 @@ class Eagle3Config:
   target_hidden_size: int
   target_vocab_size: int
   draft_vocab_size: int
-  aux_layer_ids: tuple[int, ...]  # target layers whose OUTPUTS are the features, low to high
+  # Target layers whose OUTPUTS are the features, kept sorted (low to high): fc reads them
+  # concatenated in layer order, as ModelOpt's training hooks collect them and TensorRT-LLM sorts
+  # them, whatever order a config lists them in (ModelOpt exports list(set(ids))).
+  aux_layer_ids: tuple[int, ...]
   # vLLM / speculators variant: the residual is hidden_norm(g) instead of g (NVIDIA's head: off).
   norm_before_residual: bool = False
 
@@ -58,7 +61,7 @@ class Eagle3Config:
     if len(self.aux_layer_ids) != 3:
       raise DraftConfigError(f"EAGLE-3 fuses 3 target layers, got aux_layer_ids "
                              f"{self.aux_layer_ids}")
-    object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+    object.__setattr__(self, "aux_layer_ids", tuple(sorted(int(i) for i in self.aux_layer_ids)))
 
   @property
   def hidden_size(self) -> int:

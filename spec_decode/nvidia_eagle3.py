@@ -47,7 +47,9 @@ Facts, and where they were read (repository paths; not copied, re-derived):
     (1, N//2 - 1, N - 4), OUTPUTS of 0-indexed layers ([1, 23, 44] for Maverick's 48);
     spec_decode.draft.default_aux_layers, and maverick.model captures the residual stream after
     each layer (tests/test_model.py::test_capture_layers_are_residual_stream checks it against
-    HF's hidden_states[i + 1]).
+    HF's hidden_states[i + 1]). Order: ModelOpt's HF exporter writes the ids as list(set(ids))
+    ([1, 44, 23] for Maverick) while its training concatenates the features its forward hooks
+    collect, in layer order, and TensorRT-LLM sorts the ids; Eagle3Config sorts them too.
   Embedding. TensorRT-LLM shares the target's embed_tokens when the head's hidden size equals the
     target's (Eagle3DraftModel: `self.embed_tokens = None`, `load_weights_from_target_model`).
     Our draft always embeds with the table the caller passes (the target's).

@@ -372,6 +372,10 @@ def _zero_input_scale(t, h, c):
   t[X + "gate_up_proj_input_scale"] = np.array(0.0, np.float32)
 
 
+def _zero_weight_scale(t, h, c):  # converted silently before, zeroing the layer
+  t[Q + "weight_scale"] = np.array(0.0, np.float32)
+
+
 def _disagree(t, h, c):
   c["quantization_config"]["quant_algo"] = "FP8_PER_CHANNEL_PER_TOKEN"
 
@@ -390,12 +394,13 @@ def _kv_scale_shape(t, h, c):
                      "BF16"]),
     (_unexcluded_bf16, ["model.layers.0.self_attn", "exclude_modules"]),
     (_zero_input_scale, [X + "gate_up_proj_input_scale", "> 0"]),
+    (_zero_weight_scale, [Q + "weight_scale", "is 0.0", "> 0"]),
     (_disagree, ["hf_quant_config.json", "disagree"]),
     (_kv_scale_shape, ["model.layers.4.self_attn.k_proj.k_scale", "[2]"]),
     (_kv_scale_without_kv_algo, ["model.layers.0.self_attn.k_proj.k_scale",
                                  "kv_cache_quant_algo"]),
 ], ids=["weight_scale_missing", "input_scale_missing", "per_channel_scale", "nvfp4",
-        "excluded_fp8", "unexcluded_bf16", "zero_input_scale", "configs_disagree",
+        "excluded_fp8", "unexcluded_bf16", "zero_input_scale", "zero_weight_scale", "configs_disagree",
         "kv_scale_shape", "kv_scale_without_kv_algo"])
 def test_bad_modelopt_checkpoints(tmp_path, layout, hf_config, mutate, words):
   t = dict(layout[0])
@@ -410,6 +415,27 @@ def test_bad_modelopt_checkpoints(tmp_path, layout, hf_config, mutate, words):
     assert w in str(e.value), (w, str(e.value))
   _assert_no_output(out)
   with pytest.raises(CheckpointError):
+    load_hf(str(d))
+
+
+@pytest.mark.parametrize("kv", [True, False])
+def test_modelopt_tensors_without_quant_config(tmp_path, layout, hf_config, kv):
+  """ModelOpt's tensors with hf_quant_config.json lost (and no quantization_config in config.json)
+  name the missing file and what it holds, not a compressed-tensors scale-shape error."""
+  t = layout[0] if kv else {k: v for k, v in layout[0].items()
+                            if not k.endswith(("k_scale", "v_scale"))}
+  d = write_checkpoint(tmp_path / "hf", hf_config, t, None)
+  out = tmp_path / "out"
+  with pytest.raises(CheckpointError) as e:
+    convert_hf_to_orbax(str(d), str(out), progress=False)
+  _assert_no_output(out)
+  msg = str(e.value)
+  kv_algo = '"kv_cache_quant_algo": ' + ('"FP8"' if kv else "null")
+  for w in (str(d), "ModelOpt", "no hf_quant_config.json", '"quant_algo": "FP8"', kv_algo,
+            "exclude_modules", "model.layers."):
+    assert w in msg, (w, msg)
+  assert "\n" not in msg
+  with pytest.raises(CheckpointError, match="no hf_quant_config.json"):
     load_hf(str(d))
 
 

@@ -9,11 +9,13 @@ config.json and the NVIDIA-named tensors.
 """
 
 import json
+import logging
 import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from nvidia_eagle3_fixture import AUX, VD, nvidia_config, write_head
 from safetensors.numpy import save_file
 
@@ -21,7 +23,8 @@ from maverick import config as config_lib
 from maverick import model as model_lib
 from maverick.checkpoint import CheckpointError
 from spec_decode import checkpoint as ckpt_lib
-from spec_decode.draft import DraftConfigError, default_aux_layers
+from spec_decode import speculative
+from spec_decode.draft import DraftConfigError, Eagle3Config, default_aux_layers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,6 +201,57 @@ def test_maverick_aux_layers_are_outputs_of_1_23_44():
   default = ckpt_lib.eagle3_config_from_hf(raw, mav)
   assert named.aux_layer_ids == default.aux_layer_ids == (1, 23, 44)
   assert named.layer.rope_theta == 20000.0  # the draft's, not Maverick's 500000
+
+
+def test_unsorted_aux_ids_read_features_in_layer_order(fixture_model, hf_fixture, tmp_path,
+                                                       caplog):
+  """ModelOpt's exporter lists the aux ids as list(set(ids)) ([1, 44, 23] for Maverick) while its
+  training concatenates the features in layer order: a head listing [1, 4, 3] must fuse the target
+  features of layers 1, 3, 4 in that order. Judge: the float64 head over HF's own hidden states
+  (hidden_states[i + 1] = output of layer i) concatenated in layer order."""
+  listed = [AUX[0], AUX[2], AUX[1]]
+  assert listed != sorted(listed)
+  c, w = write_head(tmp_path / "unsorted", seed=5,
+                    config_edit=_eagle("eagle_aux_hidden_state_layer_ids", listed))
+  write_head(tmp_path / "sorted", seed=5)
+  with caplog.at_level(logging.WARNING, logger=ckpt_lib.__name__):
+    drafts = {n: ckpt_lib.import_eagle3(str(tmp_path / n), fixture_model.config, dtype="float32")
+              for n in ("unsorted", "sorted")}
+  assert f"eagle_aux_hidden_state_layer_ids {listed} sorted to {sorted(listed)}" in caplog.text
+  assert drafts["unsorted"].config == drafts["sorted"].config
+
+  inputs, hs = hf_fixture["inputs"], hf_fixture["hidden_states"].astype(np.float64)
+  B, T = inputs.shape
+  tokens = inputs[:, 1:]  # draft position p pairs the feature at p with the token at p + 1
+  fc = np.asarray(w["fc.weight"], np.float64)
+  embed = np.asarray(fixture_model.embed[...])
+
+  def reference(layers):
+    feats = np.concatenate([hs[i + 1][:, :-1] for i in layers], -1)
+    return RefHead(c, w, embed).step(tokens, feats @ fc.T)[0]
+
+  want = reference(sorted(listed))
+  # The check has teeth: the listed order gives other logits.
+  assert np.linalg.norm(reference(listed) - want) > 0.1 * np.linalg.norm(want)
+  logits = {}
+  target = nnx.split(fixture_model)  # jitted: the eager forward takes ~20 s on CPU
+  for name, draft in drafts.items():  # as the speculative loop runs it: capture, concat, fc
+    out = model_lib.apply(*target, jnp.asarray(inputs), capture_layers=draft.config.aux_layer_ids)
+    feats = speculative._features(out.hidden)[:, :-1]
+    logits[name] = np.asarray(draft(jnp.asarray(tokens), draft.fuse(feats), jnp.asarray(embed),
+                                    cache=draft.init_cache(B, T), prefill=True).logits)
+  np.testing.assert_array_equal(logits["unsorted"], logits["sorted"])
+  _close(logits["unsorted"], want, "unsorted-id head logits")
+
+
+def test_eagle3_config_sorts_aux_ids(target_cfg):
+  """Every consumer (capture in generation, serving, training, export) reads
+  Eagle3Config.aux_layer_ids: sorted whichever way it is built."""
+  cfg = Eagle3Config.for_target(target_cfg, aux_layer_ids=(4, 1, 3))
+  assert cfg.aux_layer_ids == (1, 3, 4)
+  d = cfg.to_dict()
+  d["aux_layer_ids"] = [3, 4, 1]
+  assert Eagle3Config.from_dict(d).aux_layer_ids == (1, 3, 4)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -112,6 +112,28 @@ def detect(hf_dir: str) -> ModelOptConfig | None:
   return found[0] if found else None
 
 
+def check_unconfigured(ckpt: hf.SafetensorsCheckpoint, hf_dir: str) -> None:
+  """For a directory `detect` found no ModelOpt config in: its per-tensor scalar weight_scale,
+  input_scale or k/v_scale tensors are ModelOpt's layout, which the compressed-tensors reader would
+  refuse with a scale-shape error; name the missing hf_quant_config.json instead. A directory with
+  any other quantization_config is left to that format's reader."""
+  if hf_fp8.quantization_config(hf_dir) is not None:
+    return
+  marks = sorted(n for n, i in ckpt.tensors.items()
+                 if n.endswith(("input_scale", "k_proj.k_scale", "v_proj.v_scale"))
+                 or (n.endswith("weight_scale") and i.shape in ((), (1,))))
+  if not marks:
+    return
+  kv = '"FP8"' if any(n.endswith(("k_scale", "v_scale")) for n in marks) else "null"
+  more = f" and {len(marks) - 1} more" if len(marks) > 1 else ""
+  raise CheckpointError(
+      f"{hf_dir} holds ModelOpt FP8 per-tensor scales ({marks[0]}{more}) but no "
+      f"{QUANT_CONFIG_FILE} and no ModelOpt quantization_config in config.json; "
+      f"restore the checkpoint's {QUANT_CONFIG_FILE}: {{\"quantization\": {{\"quant_algo\": "
+      f"\"FP8\", \"kv_cache_quant_algo\": {kv}, \"exclude_modules\": [the modules stored in "
+      "BF16, e.g. \"lm_head\", \"*router*\"]}}")
+
+
 def _check_algos(mo: ModelOptConfig) -> None:
   if mo.quant_algo != "FP8":
     known = " (a ModelOpt format maverick does not import)" if mo.quant_algo in _OTHER_ALGOS else ""
@@ -168,8 +190,8 @@ def _check_scalar(st: hf_fp8._Stored, name: str, what: str) -> str:
 def _positive(name: str, x: np.ndarray) -> np.float32:
   v = np.float32(np.asarray(x, np.float32).reshape(()))
   if not np.isfinite(v) or v <= 0:
-    raise CheckpointError(f"scale tensor {name} is {v}; a static scale must be finite and > 0 "
-                          "(the checkpoint is corrupt)")
+    raise CheckpointError(f"scale tensor {name} is {v}; a per-tensor scale must be finite and "
+                          "> 0 (the checkpoint is corrupt)")
   return v
 
 
@@ -294,7 +316,7 @@ def _fp8_build(stored, ws, ins, src: hf.Source, abstract, in_axes, static: bool)
   broadcast over the output channels (exact), the input scale kept as a scalar param."""
   def build(raw):
     q = hf_fp8._checked_fp8(stored, raw[stored])
-    s = hf_fp8._checked_scale(ws, raw[ws]).reshape(())
+    s = _positive(ws, raw[ws])  # 0 would silently zero the whole layer
     si = _positive(ins, raw[ins])
     out = {}
     for t in src.targets:

@@ -206,7 +206,7 @@ def convert_hf_to_orbax(hf_dir: str, out_dir: str, *, dtype: str | None = None,
   """
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
-  mo = _modelopt(hf_dir, activations)
+  mo = _modelopt(hf_dir, ckpt, activations)
   if mo is not None:
     cfg, items = hf_modelopt.plan(ckpt, cfg, mo, activations=activations)
     parts = hf_fp8.iter_parts(ckpt, items, progress=progress, place=host_array)
@@ -328,8 +328,10 @@ def iter_orbax_parts(path: str, cfg: config_lib.Config | None = None):
     ckptr.close()
 
 
-def _modelopt(hf_dir: str, activations: str | None):
+def _modelopt(hf_dir: str, ckpt: hf.SafetensorsCheckpoint, activations: str | None):
   mo = hf_modelopt.detect(hf_dir)
+  if mo is None:
+    hf_modelopt.check_unconfigured(ckpt, hf_dir)
   if mo is None and activations is not None:
     raise hf.CheckpointError(f"activations={activations!r} applies to ModelOpt FP8 checkpoints; "
                              f"{hf_dir} is not one")
@@ -347,7 +349,7 @@ def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles",
   mesh the model is on the default device."""
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
-  mo = _modelopt(hf_dir, activations)
+  mo = _modelopt(hf_dir, ckpt, activations)
   if mo is not None:
     cfg, items = hf_modelopt.plan(ckpt, cfg, mo, activations=activations)
     params = hf_fp8.iter_params(ckpt, items)
