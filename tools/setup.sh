@@ -2,6 +2,7 @@
 # Creates .venv with a Python >= 3.12 and installs maverick-jax into it (editable).
 #   bash tools/setup.sh         # runtime dependencies
 #   bash tools/setup.sh test    # plus the test extra
+#   bash tools/setup.sh cuda12  # plus the CUDA 12 (or cuda13: CUDA 13) build of the same jax, for a GPU host
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,6 +36,16 @@ if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
   "$py" -m venv .venv
 fi
 extra=""
-[ "${1:-}" = "test" ] && extra="[test]"
+case "${1:-}" in
+  "") ;;
+  test|cuda12|cuda13) extra="[$1]" ;;
+  *) echo "error: tools/setup.sh takes no argument, or one of: test, cuda12, cuda13 (got '$1')" >&2
+     exit 2 ;;
+esac
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".${extra}"
+if [ "$extra" = "[cuda12]" ] || [ "$extra" = "[cuda13]" ]; then
+  # The CUDA plugin must match the jax it runs under exactly: pin it to the installed jax.
+  v="$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
+  .venv/bin/python -m pip install -q "jax[${1}]==${v}"
+fi
