@@ -146,15 +146,16 @@ def _on_shards(plan, local_fn, args, in_specs, out_spec, reduce_axes=()):
   is_spec = lambda s: isinstance(s, P)
   local = jax.tree.map(lambda s, a: _local_struct(a, s, plan.mesh), tuple(in_specs), tuple(args),
                        is_leaf=is_spec)
-  if jax.eval_shape(local_fn, *local) is None:
-    return None
+  with selfcheck.on_mesh(plan.mesh):  # the kernel's self-check is keyed by the mesh it runs on
+    if jax.eval_shape(local_fn, *local) is None:
+      return None
 
-  def body(*shards):
-    y = local_fn(*shards)
-    return jax.lax.psum(y, reduce_axes) if reduce_axes else y
+    def body(*shards):
+      y = local_fn(*shards)
+      return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
-  return jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(in_specs), out_specs=out_spec,
-                       check_vma=False)(*args)
+    return jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(in_specs), out_specs=out_spec,
+                         check_vma=False)(*args)
 
 
 def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, plan, w_axes):

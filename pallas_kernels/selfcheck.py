@@ -8,7 +8,9 @@ compile, fails at run time, returns non-finite values or disagrees falls back to
 `KernelFallbackWarning` per config and process naming the op, the shapes and the reason.
 
 Results are cached in memory and on disk, keyed by (device kind, jax version, a hash of this
-package's source, the kernel config), in `<cache dir>/kernel_selfcheck.json`: the cache dir is
+package's source and of the file that builds the probe (`maverick/kernels.py`), the CUDA driver,
+runtime and ptxas versions, the mesh the call runs on, the kernel config), in
+`<cache dir>/kernel_selfcheck.json`: the cache dir is
 `$MAVERICK_CACHE_DIR`, else `$XDG_CACHE_HOME/maverick-jax`, else `~/.cache/maverick-jax`. Delete
 the file to check again. Run-time errors (an out-of-memory probe, say) are remembered for the
 process only, since they may not recur.
@@ -17,6 +19,11 @@ The check runs where a kernel would run for real (a Hopper/Blackwell GPU). In GP
 (tests) it is off unless `force()` turns it on. The probe runs while the caller's jit is tracing
 (the kernel choice is made at trace time): it steps outside that trace (`_outside_any_trace`),
 so it is a separate small program run once, never part of the traced computation.
+
+In a multi-process run every process must trace the same program, so a config's outcome is
+agreed on: each process's first look at a config (cached or probed) ends with an all-gather of
+the outcomes, and the kernel runs only where every process's check passed. Processes trace the
+same calls in the same order, so each takes part in every agreement.
 """
 
 from __future__ import annotations
@@ -27,8 +34,12 @@ import dataclasses
 import functools
 import hashlib
 import json
+import inspect
 import os
 import pathlib
+import re
+import shutil
+import subprocess
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -43,6 +54,10 @@ CACHE_FILE = "kernel_selfcheck.json"
 
 _forced: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "pallas_kernels_selfcheck_forced", default=False)
+# The mesh a sharded call's per-shard kernel runs on (set by the caller around its shard_map):
+# the same local shapes on another mesh are another program, with other collectives around it.
+_mesh: contextvars.ContextVar[str] = contextvars.ContextVar("pallas_kernels_selfcheck_mesh",
+                                                            default="none")
 _memo: dict[str, dict] = {}  # full key -> record, this process
 _warned: set[str] = set()
 probes_run = 0  # how many probes this process ran (tests read it)
@@ -75,6 +90,16 @@ def force(on: bool = True) -> Iterator[None]:
     _forced.reset(token)
 
 
+@contextlib.contextmanager
+def on_mesh(mesh) -> Iterator[None]:
+  """Probes met inside are keyed by `mesh` (its axis names and sizes) too."""
+  token = _mesh.set(",".join(f"{name}={size}" for name, size in mesh.shape.items()))
+  try:
+    yield
+  finally:
+    _mesh.reset(token)
+
+
 def active() -> bool:
   """Whether auto mode must self-check kernels now: on a real Hopper/Blackwell GPU, or forced."""
   if _forced.get():
@@ -101,11 +126,61 @@ def _code_hash() -> str:
   return h.hexdigest()[:12]
 
 
+@functools.cache
+def _file_hash(path: str) -> str:
+  try:
+    return hashlib.sha1(pathlib.Path(path).read_bytes()).hexdigest()[:12]
+  except OSError:
+    return "unreadable"
+
+
+def _wrapper_hash(probe: Probe) -> str:
+  """The file that defines the probe's `run` (maverick/kernels.py for the model's calls): how a
+  call quantizes, reshapes and scales around the kernel is part of what was checked."""
+  fn = probe.run.func if isinstance(probe.run, functools.partial) else probe.run
+  try:
+    return _file_hash(inspect.getsourcefile(fn) or "")
+  except TypeError:  # a builtin or C function: nothing to hash
+    return "none"
+
+
+@functools.cache
+def toolchain() -> str:
+  """CUDA driver and runtime versions and the ptxas release: a driver or toolkit update changes
+  what a kernel compiles to, so its configs are checked again. "none" where there is no CUDA."""
+  from jax._src import lib as jax_lib
+  versions = getattr(jax_lib, "cuda_versions", None)
+  parts = []
+  for what, name in (("driver", "cuda_driver_get_version"), ("runtime", "cuda_runtime_get_version")):
+    try:
+      parts.append(f"{what} {getattr(versions, name)()}")
+    except Exception:  # noqa: BLE001 - no CUDA plugin, or an older one without the call
+      parts.append(f"{what} none")
+  parts.append(f"ptxas {_ptxas_version(getattr(jax_lib, 'cuda_path', None))}")
+  return " ".join(parts)
+
+
+def _ptxas_version(cuda_path) -> str:
+  candidates = [pathlib.Path(cuda_path) / "bin" / "ptxas"] if cuda_path else []
+  which = shutil.which("ptxas")
+  candidates += [pathlib.Path(which)] if which else []
+  for ptxas in candidates:
+    try:
+      out = subprocess.run([str(ptxas), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+      continue
+    found = re.search(r"release \S+, (V[\d.]+)", out.stdout)
+    if found:
+      return found.group(1)
+  return "none"
+
+
 def _full_key(probe: Probe) -> str:
   device = jax.devices()[0]
   arch = common.runnable_arch() or "none"
-  return (f"{device.device_kind} | jax {jax.__version__} | code {_code_hash()} | {arch} | "
-          f"{probe.op} | {probe.key}")
+  return (f"{device.device_kind} | jax {jax.__version__} | code {_code_hash()} | "
+          f"wrapper {_wrapper_hash(probe)} | {toolchain()} | mesh {_mesh.get()} | "
+          f"processes {jax.process_count()} | {arch} | {probe.op} | {probe.key}")
 
 
 def _load_disk() -> dict:
@@ -174,6 +249,22 @@ def _check(probe: Probe) -> tuple[dict, bool]:
   return dict(ok=True, reason="", max_rel_error=err), True
 
 
+def _all_processes_ok(ok: bool) -> bool:
+  from jax.experimental import multihost_utils
+  with _outside_any_trace():
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def _agree(record: dict) -> dict:
+  """Every process's outcome for one config, combined: the kernel runs only if all passed (the
+  same program on every host). This process's own record stays on its disk."""
+  all_ok = _all_processes_ok(record["ok"])  # every process takes part, whatever its own outcome
+  if all_ok or not record["ok"]:
+    return record
+  return dict(ok=False, reason="its self-check failed on another process of this run (that "
+              "process's warning and cache file say why)")
+
+
 def passed(probe: Probe) -> bool:
   """Whether the kernel config may run: True where no check is due (see `active`), else the
   (cached) outcome of its probe. A failure warns once per config and process."""
@@ -187,6 +278,8 @@ def passed(probe: Probe) -> bool:
       record, persistent = _check(probe)
       if persistent:
         _store_disk(key, record)
+    if jax.process_count() > 1:
+      record = _agree(record)
     _memo[key] = record
   if not record["ok"] and key not in _warned:
     _warned.add(key)

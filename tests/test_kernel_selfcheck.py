@@ -189,3 +189,74 @@ def test_load_takes_the_kernels_switch():
   assert {layer.attn.kernels for layer in model.layers} == {"xla"}
   with pytest.raises(KernelInputError, match="kernels='pallas' needs a Hopper"):
     maverick.load("random:tiny", kernels="pallas")
+
+
+# ----------------------------------------------------------------------------------------------
+# What the cache key holds, and agreement across processes
+# ----------------------------------------------------------------------------------------------
+def test_key_names_the_wrapper_source_toolchain_and_mesh(monkeypatch):
+  """A cached outcome is reused only for the same probe wrapper source (maverick/kernels.py), CUDA
+  driver / runtime / ptxas, and mesh: a change of any of them checks the config again."""
+  import hashlib
+  import pathlib
+  wrapper = pathlib.Path(kernels_lib.__file__).read_bytes()
+  monkeypatch.setattr(selfcheck, "toolchain", lambda: "driver 12080 runtime 12080 ptxas V12.8.93")
+  _, warned = _auto_linear_twice()
+  assert not warned and selfcheck.probes_run == 1
+  (key,) = _cache()
+  assert f"wrapper {hashlib.sha1(wrapper).hexdigest()[:12]}" in key, key
+  assert "ptxas V12.8.93" in key and "mesh none" in key and "processes 1" in key, key
+
+  def probes_after(change):
+    selfcheck.clear_memory()
+    with change():
+      _auto_linear_twice()
+    return selfcheck.probes_run
+
+  import contextlib
+  assert probes_after(contextlib.nullcontext) == 0  # same everything: the disk answers
+  monkeypatch.setattr(selfcheck, "toolchain", lambda: "driver 13000 runtime 12080 ptxas V12.8.93")
+  assert probes_after(contextlib.nullcontext) == 1  # a driver update
+  monkeypatch.setattr(selfcheck, "_wrapper_hash", lambda probe: "edited")
+  assert probes_after(contextlib.nullcontext) == 1  # kernels.py changed
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"), devices=jax.devices()[:8])
+  assert probes_after(lambda: selfcheck.on_mesh(mesh)) == 1  # the same shapes on a mesh
+  assert any("mesh data=2,tensor=4" in k for k in _cache())
+
+
+def test_ptxas_version_is_read_from_the_cuda_path(tmp_path):
+  ptxas = tmp_path / "bin" / "ptxas"
+  ptxas.parent.mkdir()
+  ptxas.write_text("#!/bin/sh\necho 'ptxas: NVIDIA (R) Ptx optimizing assembler'\n"
+                   "echo 'Cuda compilation tools, release 12.9, V12.9.86'\n")
+  ptxas.chmod(0o755)
+  assert selfcheck._ptxas_version(str(tmp_path)) == "V12.9.86"
+  assert selfcheck._ptxas_version(str(tmp_path / "missing")) in ("none",) or \
+      selfcheck._ptxas_version(str(tmp_path / "missing")).startswith("V")  # a ptxas on PATH
+
+
+def test_processes_agree_on_one_outcome(monkeypatch):
+  """Multi-process: a config whose check passed here but failed on another process runs on XLA
+  here too (every host must trace the same program); each process joins the all-gather even when
+  its own check failed, and only once per config."""
+  from jax.experimental import multihost_utils
+  gathered = []
+
+  def allgather(x):  # the other process failed
+    gathered.append(int(x))
+    return np.asarray([int(x), 0])
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+  outs, warned = _auto_linear_twice()
+  assert gathered == [1]  # this process passed; one agreement for the two calls
+  assert len(warned) == 1 and "failed on another process" in str(warned[0].message)
+  assert all(y is None for y, _ in outs)
+  (record,) = _cache().values()
+  assert record["ok"]  # this process's own outcome is what its disk keeps
+  # A failing process joins the agreement as well (else the others would wait for it forever).
+  selfcheck.clear_memory()
+  monkeypatch.setattr(selfcheck, "_load_disk", lambda: {})
+  monkeypatch.setattr(selfcheck, "_check", lambda probe: (dict(ok=False, reason="boom"), True))
+  _auto_linear_twice()
+  assert gathered == [1, 0]
