@@ -109,6 +109,16 @@ def fail(prog: str, error: BaseException | str) -> int:
   return 1
 
 
+# 128 + SIGINT: the status a shell reports for a command stopped by Ctrl-C.
+INTERRUPTED_STATUS = 130
+
+
+def interrupted(prog: str) -> int:
+  """Ctrl-C: prints `prog: interrupted` as one line on stderr (not a traceback) and returns 130."""
+  print(f"{prog}: interrupted", file=sys.stderr)
+  return INTERRUPTED_STATUS
+
+
 def write_atomic(path: str, text: str) -> None:
   """Writes a text file so that readers see the old or the new content, never a partial one."""
   tmp = f"{path}.tmp-{os.getpid()}"

@@ -106,6 +106,13 @@ def _tree_shape():
 
 def main(argv):
   try:
+    return _main(argv)
+  except KeyboardInterrupt:  # Ctrl-C at any point: one line, exit status 130
+    return cli.interrupted("generate")
+
+
+def _main(argv):
+  try:
     cli.start(argv)
   except cli.UsageError as e:
     return cli.fail("generate", e)
