@@ -189,13 +189,6 @@ def kernels_value(flag) -> str | None:
   return None if flag.value == "auto" else flag.value
 
 
-def define_dtype_flag(default: str | None, help_text: str):
-  """--dtype over the dtypes a model config takes (maverick.config.DTYPES): absl refuses any other
-  in one line."""
-  from maverick.config import DTYPES  # noqa: PLC0415  (standard library only: no jax)
-  return flags.DEFINE_enum("dtype", default, list(DTYPES), help_text)
-
-
 def define_check_finite_flag():
   """--check_finite for scripts that read Hugging Face checkpoints."""
   return flags.DEFINE_bool(
