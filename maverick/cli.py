@@ -172,6 +172,10 @@ def write_atomic(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
+# --dtype's choices: maverick.config.DTYPES, repeated here because importing maverick.config
+# imports jax (through maverick.quant) and --help must stay instant; a test keeps them equal.
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
 KERNEL_CHOICES = ("auto", "xla", "pallas")
 
 

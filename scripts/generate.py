@@ -24,7 +24,6 @@ from maverick import gpu_flags  # noqa: E402  (after the sys.path line)
 gpu_flags.configure()  # before anything starts a jax backend (XLA reads XLA_FLAGS once)
 
 from maverick import cli  # noqa: E402
-from maverick.config import DTYPES  # noqa: E402  (standard library only: --help stays instant)
 from maverick import mesh_flags  # noqa: E402  (defines --mesh, --layout, multi-host flags)
 
 DEFAULT_CHECKPOINT = "tiny"
@@ -46,7 +45,7 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 =
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1 = off.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 = off.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed for sampling (same seed, same output).")
-_DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES),
+_DTYPE = flags.DEFINE_enum("dtype", None, list(cli.DTYPE_CHOICES),
                            "Compute/parameter dtype. Default: the checkpoint's.")
 _MAX_CACHE_LEN = flags.DEFINE_integer(
     "max_cache_len", None, "KV cache positions per row. Default: prompt and generation buckets.")

@@ -21,7 +21,6 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maverick import cli  # noqa: E402
-from maverick.config import DTYPES  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "maverick", "Model preset (maverick, scout, tiny, ...) or "
                               "a Hugging Face config.json / directory.")
@@ -43,7 +42,7 @@ _DRAFT = flags.DEFINE_enum(
 _CONTEXT = flags.DEFINE_integer("context", 131072, "KV cache positions per sequence.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded together.")
 _SPEC_K = flags.DEFINE_integer("spec_k", 3, "Draft tokens per speculative round (0: no round).")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES),
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(cli.DTYPE_CHOICES),
                            "Model (activation, KV, non-quantized) dtype.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the numbers to this JSON file.")
 

@@ -11,11 +11,17 @@ import time
 
 import pytest
 
+from maverick import cli
+from maverick import config
 from maverick import mesh_flags
 from maverick.sharding import ShardingError
 from param_utils import single_device_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_dtype_flag_offers_the_dtypes_a_config_takes():
+  assert cli.DTYPE_CHOICES == config.DTYPES
 
 
 def test_mesh_flag_refuses_a_repeated_axis():
