@@ -51,7 +51,8 @@ def enable_compile_cache(path: str | None) -> str | None:
   program is cached, however quick to compile: on a small model most compiles take under the
   1 s JAX caches by default. On CPU with one device the traced generate loops are kept too, in
   `<path>/exported` (maverick/program_cache.py), so a later run skips tracing them. Returns the
-  directory used, or None when off."""
+  directory used, or None when off (also when `path` cannot be made: warned, as are failed writes
+  and entries that do not load, which are removed; a cache never stops a run)."""
   import jax  # noqa: PLC0415  (late: --help stays instant)
   path = default_compile_cache_dir() if path is None else path
   if not _CACHE_STATS["listening"]:
@@ -64,7 +65,9 @@ def enable_compile_cache(path: str | None) -> str | None:
     program_cache.enable(None)
     return None
   path = os.path.expanduser(path)
-  os.makedirs(path, exist_ok=True)
+  if not program_cache.make_dir(path):  # warned: a cache never stops a run
+    return enable_compile_cache("")
+  _guard_jax_cache()
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -73,6 +76,48 @@ def enable_compile_cache(path: str | None) -> str | None:
   # Traced programs too (CPU, one device): a cache hit then skips tracing and lowering as well.
   program_cache.enable(os.path.join(path, "exported"))
   return path
+
+
+def _guard_jax_cache() -> None:
+  """Makes JAX's persistent cache safe to lose. JAX warns about an entry it cannot load and
+  compiles anew, but never overwrites an entry, so a corrupt one is warned about and recompiled
+  on every later run: it is deleted here instead, and this run saves it again. A failed write
+  (read-only directory, full disk) is warned about once and its partial entry removed. Wraps
+  jax._src.compilation_cache's entry get and put, as compiler.py calls them (private API: if they
+  are gone, JAX's own handling stays)."""
+  import jax  # noqa: PLC0415
+  from jax._src import compilation_cache as jax_cache  # noqa: PLC0415
+  from maverick import program_cache  # noqa: PLC0415
+  get = getattr(jax_cache, "get_executable_and_time", None)
+  put = getattr(jax_cache, "put_executable_and_time", None)
+  if get is None or put is None or getattr(get, "maverick_guard", False):
+    return
+
+  def entry(cache_key: str) -> str:  # LRUCache's file for the key
+    return os.path.join(jax.config.jax_compilation_cache_dir, f"{cache_key}-cache")
+
+  def get_or_remove(cache_key, *args, **kwargs):
+    try:
+      return get(cache_key, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001  (truncated, corrupted, from another jaxlib)
+      program_cache.remove_bad_entry(entry(cache_key), e)
+      if jax.config.jax_raise_persistent_cache_errors:
+        raise
+      return None, None  # a miss: compiled, then saved again
+
+  def put_or_warn(cache_key, *args, **kwargs):
+    path = entry(cache_key)
+    existed = os.path.lexists(path)
+    try:
+      put(cache_key, *args, **kwargs)
+    except OSError as e:
+      if not existed and os.path.lexists(path):  # half written: it would fail every later read
+        program_cache.remove_quietly(path)
+      program_cache.warn_unwritable(os.path.dirname(path), e)
+
+  get_or_remove.maverick_guard = True
+  jax_cache.get_executable_and_time = get_or_remove
+  jax_cache.put_executable_and_time = put_or_warn
 
 
 def compile_cache_summary() -> str:
@@ -109,6 +154,16 @@ def fail(prog: str, error: BaseException | str) -> int:
   return 1
 
 
+# 128 + SIGINT: the status a shell reports for a command stopped by Ctrl-C.
+INTERRUPTED_STATUS = 130
+
+
+def interrupted(prog: str) -> int:
+  """Ctrl-C: prints `prog: interrupted` as one line on stderr (not a traceback) and returns 130."""
+  print(f"{prog}: interrupted", file=sys.stderr)
+  return INTERRUPTED_STATUS
+
+
 def write_atomic(path: str, text: str) -> None:
   """Writes a text file so that readers see the old or the new content, never a partial one."""
   tmp = f"{path}.tmp-{os.getpid()}"
@@ -116,6 +171,10 @@ def write_atomic(path: str, text: str) -> None:
     f.write(text)
   os.replace(tmp, path)
 
+
+# --dtype's choices: maverick.config.DTYPES, repeated here because importing maverick.config
+# imports jax (through maverick.quant) and --help must stay instant; a test keeps them equal.
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 KERNEL_CHOICES = ("auto", "xla", "pallas")
 

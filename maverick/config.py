@@ -17,7 +17,7 @@ from maverick.quant.config import QuantConfig, QuantConfigError
 
 CHUNKED = "chunked_attention"
 FULL = "full_attention"
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -96,7 +96,7 @@ class Config:
     _require(self.num_experts_per_tok <= self.num_local_experts,
              f"num_experts_per_tok {self.num_experts_per_tok} > num_local_experts "
              f"{self.num_local_experts}")
-    _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+    _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
     _require(self.quant is None or isinstance(self.quant, QuantConfig),
              f"quant must be a maverick.quant.QuantConfig or None, got {self.quant!r}")
     _require(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
@@ -336,7 +336,7 @@ def from_hf(source: str | os.PathLike | Mapping[str, Any], dtype: str | None = N
     raise ConfigError(f"{where}: attn_temperature_tuning must be a bool or int, got {tuning!r}")
   hf_dtype = get("dtype", get("torch_dtype", raw.get("dtype", raw.get("torch_dtype", "bfloat16"))))
   if dtype is None:
-    dtype = hf_dtype if hf_dtype in _DTYPES else "bfloat16"
+    dtype = hf_dtype if hf_dtype in DTYPES else "bfloat16"
 
   def num(key, default):
     v = _rope_num(text, key, where)

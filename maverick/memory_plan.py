@@ -230,6 +230,7 @@ def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: in
                     quant: str = "bf16", draft_config=None) -> Report:
   """One EAGLE-3 round: target verify over K+1 tokens (capturing the aux features), draft extend
   over the verified positions, K chained draft steps; greedy."""
+  k = speculative.check_chain_k(k)  # generation's limit: a deeper chain is never run
   dcfg = draft_config or nvidia_eagle3(cfg)
   target = model_lib.abstract_model(cfg)
   draft = draft_lib.abstract_draft(dcfg)

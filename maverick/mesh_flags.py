@@ -34,6 +34,9 @@ def parse_mesh(text: str) -> dict[str, int]:
     if name not in AXES or not value.strip().isdigit():
       raise ShardingError(f"--mesh {text!r}: expected axis=size pairs over {AXES}, e.g. "
                           "'data=2,tensor=4'")
+    if name in sizes:  # a later pair would silently replace the earlier one
+      raise ShardingError(f"--mesh {text!r} gives {name} twice; give each axis once, e.g. "
+                          "'data=2,tensor=4'")
     sizes[name] = int(value)
   return sizes
 

@@ -45,7 +45,7 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 =
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1 = off.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 = off.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed for sampling (same seed, same output).")
-_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
+_DTYPE = flags.DEFINE_enum("dtype", None, list(cli.DTYPE_CHOICES),
                            "Compute/parameter dtype. Default: the checkpoint's.")
 _MAX_CACHE_LEN = flags.DEFINE_integer(
     "max_cache_len", None, "KV cache positions per row. Default: prompt and generation buckets.")
@@ -105,6 +105,13 @@ def _tree_shape():
 
 
 def main(argv):
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # Ctrl-C at any point: one line, exit status 130
+    return cli.interrupted("generate")
+
+
+def _main(argv):
   try:
     cli.start(argv)
   except cli.UsageError as e:

@@ -11,31 +11,12 @@ Examples:
   python scripts/plan_memory.py --config maverick --mesh 8 --layout ep --tensor 1 --quant bf16
 """
 
+import math
 import os
 import sys
 
-
-def _devices_needed(argv) -> int:
-  """Parsed before jax is imported: fake CPU devices must be requested up front."""
-  def value(name, default):
-    for i, a in enumerate(argv):
-      if a.startswith(f"--{name}="):
-        return a.split("=", 1)[1]
-      if a == f"--{name}" and i + 1 < len(argv):
-        return argv[i + 1]
-    return default
-  try:
-    return int(value("mesh", 8)) * int(value("data", 1))
-  except ValueError:
-    return 8  # absl reports the bad flag
-
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
-                             f"device_count={max(1, _devices_needed(sys.argv))}").strip()
-
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
+from absl import app
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,7 +42,8 @@ _DRAFT = flags.DEFINE_enum(
 _CONTEXT = flags.DEFINE_integer("context", 131072, "KV cache positions per sequence.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded together.")
 _SPEC_K = flags.DEFINE_integer("spec_k", 3, "Draft tokens per speculative round (0: no round).")
-_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Model (activation, KV, non-quantized) dtype.")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(cli.DTYPE_CHOICES),
+                           "Model (activation, KV, non-quantized) dtype.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the numbers to this JSON file.")
 
 
@@ -76,7 +58,64 @@ def _config():
                        "nor a Hugging Face config path")
 
 
-def run() -> str:
+# Fake CPU devices take XLA's CPU client long to make (4096: 20 s, 100000: over 5 minutes) and no
+# NVLink domain comes near this many.
+MAX_DEVICES = 1024
+
+
+def _mesh_sizes() -> dict[str, int]:
+  """The mesh the flags ask for, as axis sizes."""
+  for name, v in (("mesh", _MESH.value), ("data", _DATA.value), ("context", _CONTEXT.value),
+                  ("batch", _BATCH.value)):
+    if v < 1:
+      raise cli.UsageError(f"--{name} must be >= 1, got {v}")
+  if _SPEC_K.value < 0:
+    raise cli.UsageError(f"--spec_k must be >= 0, got {_SPEC_K.value}")
+  n = _MESH.value
+  if _LAYOUT.value == "tp":
+    if _TENSOR.value not in (None, n):
+      raise cli.UsageError("--tensor is for --layout ep; with tp all --mesh devices are tensor")
+    return dict(data=_DATA.value, expert=1, tensor=n)
+  t = _TENSOR.value or 1
+  if n % t:
+    raise cli.UsageError(f"--tensor {t} does not divide --mesh {n}")
+  return dict(data=_DATA.value, expert=n // t, tensor=t)
+
+
+def _check(cfg, sizes: dict[str, int]) -> None:
+  """Refuses before any device is made what the plan would refuse after making them all (the
+  same checks as generation: the mesh must divide the model, --spec_k stays within its limit)."""
+  from jax.sharding import AbstractMesh
+
+  from maverick import memory_plan
+  from maverick import sharding
+  from spec_decode import speculative
+
+  if _SPEC_K.value:
+    speculative.check_chain_k(_SPEC_K.value)
+  plan = sharding.Plan(AbstractMesh(tuple(sizes[a] for a in sharding.AXES), sharding.AXES),
+                       _LAYOUT.value)
+  sharding.check_model_fits(cfg, plan)
+  if _SPEC_K.value:
+    sharding.check_model_fits(memory_plan.nvidia_eagle3(cfg).layer, plan, "draft")
+  if _BATCH.value % _DATA.value:
+    raise cli.UsageError(f"--data {_DATA.value} does not divide --batch {_BATCH.value}: each "
+                         "replica decodes batch/data sequences; choose a divisor of --batch")
+  needed = math.prod(sizes.values())
+  if needed > MAX_DEVICES:
+    raise cli.UsageError(f"the mesh needs {needed} devices, past the {MAX_DEVICES} this plan "
+                         "makes; lower --mesh / --data")
+
+
+def _request_cpu_devices(n: int) -> None:
+  """Fake CPU devices for the mesh when no accelerator is present: set before jax starts its
+  backend (XLA reads XLA_FLAGS once); a device count already in XLA_FLAGS wins."""
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                               f"device_count={n}").strip()
+
+
+def run(cfg, sizes: dict[str, int]) -> str:
   import dataclasses
   import json
 
@@ -85,27 +124,10 @@ def run() -> str:
   from maverick import memory_plan
   from maverick import sharding
 
-  for name, v in (("mesh", _MESH.value), ("data", _DATA.value), ("context", _CONTEXT.value),
-                  ("batch", _BATCH.value)):
-    if v < 1:
-      raise cli.UsageError(f"--{name} must be >= 1, got {v}")
-  if _SPEC_K.value < 0:
-    raise cli.UsageError(f"--spec_k must be >= 0, got {_SPEC_K.value}")
-  cfg = _config()
-  n = _MESH.value
-  if _LAYOUT.value == "tp":
-    if _TENSOR.value not in (None, n):
-      raise cli.UsageError("--tensor is for --layout ep; with tp all --mesh devices are tensor")
-    sizes = dict(tensor=n)
-  else:
-    t = _TENSOR.value or 1
-    if n % t:
-      raise cli.UsageError(f"--tensor {t} does not divide --mesh {n}")
-    sizes = dict(expert=n // t, tensor=t)
-  needed = n * _DATA.value
+  needed = math.prod(sizes.values())
   if needed > jax.device_count():
     raise cli.UsageError(f"the mesh needs {needed} devices, {jax.device_count()} are present")
-  mesh = sharding.make_mesh(data=_DATA.value, devices=jax.devices()[:needed], **sizes)
+  mesh = sharding.make_mesh(devices=jax.devices()[:needed], **sizes)
   plan = sharding.Plan(mesh, _LAYOUT.value)
   kw = dict(batch=_BATCH.value, context=_CONTEXT.value, quant=_QUANT.value)
   reports = [memory_plan.plan_decode_step(cfg, plan, **kw)]
@@ -132,12 +154,20 @@ def run() -> str:
 
 
 def main(argv):
-  cli.start(argv)
-  from maverick import sharding
+  from maverick.sharding_plan import ShardingError
+  try:  # the flags, checked before any device is made: each error names its flag
+    cfg = _config()
+    sizes = _mesh_sizes()
+    _check(cfg, sizes)
+  except ValueError as e:  # UsageError, ConfigError, ShardingError, a draft depth past the limit
+    return cli.fail("plan_memory.py", e)
+  _request_cpu_devices(math.prod(sizes.values()))
   try:
-    print(run())
-  except (cli.UsageError, sharding.ShardingError) as e:
-    sys.exit(cli.fail("plan_memory.py", e))
+    cli.start(argv)
+    print(run(cfg, sizes))
+  except (cli.UsageError, ShardingError) as e:
+    return cli.fail("plan_memory.py", e)
+  return 0
 
 
 if __name__ == "__main__":

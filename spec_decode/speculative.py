@@ -251,6 +251,19 @@ class SpecGeneration(plain.Generation):
     return self.accepted_at.sum(0) / max(int(self.rounds.sum()), 1)
 
 
+def check_chain_k(k) -> int:
+  """`k` draft tokens per chain round as an int; a ValueError naming --spec_k outside
+  1..MAX_DRAFT_DEPTH (generation and the memory plan, scripts/plan_memory.py, take the same)."""
+  if not (isinstance(k, (int, np.integer)) and k >= 1):
+    raise ValueError(f"speculative decoding needs k >= 1 draft tokens per round, got k={k}; use "
+                     "maverick.generate (or --spec_k 0) for plain decoding")
+  if k > MAX_DRAFT_DEPTH:
+    raise ValueError(f"k={k} draft tokens per round is past the limit of {MAX_DRAFT_DEPTH} "
+                     f"(--spec_k): deeper drafts are almost never accepted and each costs a "
+                     f"draft step and a verified position; use 3-8")
+  return int(k)
+
+
 def program(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]], *,
             k: int = 3, tree: TreeShape | str | None = None, max_new_tokens=64,
             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -265,15 +278,9 @@ def program(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]]
       raise TypeError(f"tree must be a TreeShape or 'DEPTHxTOPKxNODES', got {tree!r}")
     tree.check_draft_vocab(draft.config.draft_vocab_size)
     k, slack = None, tree.cache_slack
-  elif not (isinstance(k, (int, np.integer)) and k >= 1):
-    raise ValueError(f"speculative decoding needs k >= 1 draft tokens per round, got k={k}; use "
-                     "maverick.generate (or --spec_k 0) for plain decoding")
-  elif k > MAX_DRAFT_DEPTH:
-    raise ValueError(f"k={k} draft tokens per round is past the limit of {MAX_DRAFT_DEPTH} "
-                     f"(--spec_k): deeper drafts are almost never accepted and each costs a "
-                     f"draft step and a verified position; use 3-8")
   else:
-    k, slack = int(k), int(k) + 1  # a verify window may run K+1 positions past the last token
+    k = check_chain_k(k)
+    slack = k + 1  # a verify window may run K+1 positions past the last token
   draft.config.check_target(target.config)
   req, steps, capacity = plain.prepare(
       target.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,

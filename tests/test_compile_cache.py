@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from param_utils import single_device_env
@@ -17,14 +18,34 @@ from param_utils import single_device_env
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"(\d+) of (\d+) programs loaded from the compilation cache")
 
-# A process that turns the cache on the way the scripts do, then compiles two programs.
+# A process that turns the cache on the way the scripts do, then compiles two programs (one
+# through the exported-program cache). argv[2] "full" or "read-only" makes every write under the
+# cache directory fail as on a full disk (half the bytes land, then ENOSPC) or a read-only one.
 _SNIPPET = """
-import sys
-from maverick import cli
-cli.enable_compile_cache(sys.argv[1])
+import builtins, errno, io, os, sys
+cache, fault = sys.argv[1], (sys.argv[2:] or [""])[0]
+
+class FullDisk(io.FileIO):
+  def write(self, data):
+    super().write(bytes(data[:len(data) // 2]))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+real_open = io.open
+def faulty_open(path, mode="r", *args, **kwargs):
+  if "w" in mode and str(path).startswith(cache):
+    if fault == "full":
+      return FullDisk(path, "w")
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+  return real_open(path, mode, *args, **kwargs)
+if fault:
+  builtins.open = io.open = faulty_open
+
+from maverick import cli, program_cache
+cli.enable_compile_cache(cache)
 import jax, jax.numpy as jnp
 x = jnp.arange(12.0).reshape(3, 4)
-print(jax.jit(lambda a: jnp.tanh(a) @ a.T)(x).sum(), jax.jit(lambda a: a.max(0))(x).sum())
+f = jax.jit(lambda a: jnp.tanh(a) @ a.T)
+print(program_cache.lower(f, x).compile()(x).sum(), jax.jit(lambda a: a.max(0))(x).sum())
 print(cli.compile_cache_summary())
 """
 
@@ -49,9 +70,21 @@ def _summary(stdout: str):
   return int(m.group(1)), int(m.group(2))
 
 
+def _snippet(tmp_path, cache, fault=""):
+  return subprocess.run([sys.executable, "-c", _SNIPPET, str(cache), fault], cwd=REPO,
+                        env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+
+
+def _results(stdout: str) -> list[float]:
+  """The snippet's two results, against float64 NumPy."""
+  x = np.arange(12.0).reshape(3, 4)
+  got = [float(v) for v in stdout.splitlines()[0].split()]
+  np.testing.assert_allclose(got, [(np.tanh(x) @ x.T).sum(), x.max(0).sum()], rtol=1e-6)
+  return got
+
+
 def test_second_process_loads_every_program_from_the_cache(tmp_path):
-  run = lambda: subprocess.run([sys.executable, "-c", _SNIPPET, str(tmp_path / "cc")], cwd=REPO,
-                               env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+  run = lambda: _snippet(tmp_path, tmp_path / "cc")
   first = run()
   assert first.returncode == 0, first.stderr
   hits, compiled = _summary(first.stdout)
@@ -63,6 +96,59 @@ def test_second_process_loads_every_program_from_the_cache(tmp_path):
   assert _summary(second.stdout) == (compiled, compiled)
   assert second.stdout.splitlines()[0] == first.stdout.splitlines()[0]  # same results
   assert _entries(tmp_path / "cc") == written
+
+
+def test_a_corrupt_entry_is_removed_so_the_next_run_loads_cleanly(tmp_path):
+  """JAX warns about an entry it cannot load and compiles anew, but never replaced the entry: every
+  later run warned and compiled again. Now the run that meets it removes it (one line) and saves
+  it again, and the run after that loads everything without a word."""
+  cache = tmp_path / "cc"
+  first = _snippet(tmp_path, cache)
+  assert first.returncode == 0, first.stderr
+  compiled = _summary(first.stdout)[1]
+  names = sorted(_entries(cache))
+  truncated, flipped = cache / names[0], cache / names[-1]
+  truncated.write_bytes(truncated.read_bytes()[:40])  # a half-written entry
+  blob = bytearray(flipped.read_bytes())
+  blob[len(blob) // 3:len(blob) // 2] = bytes(b ^ 0x5A for b in blob[len(blob) // 3:len(blob) // 2])
+  flipped.write_bytes(bytes(blob))
+
+  second = _snippet(tmp_path, cache)
+  assert second.returncode == 0, second.stderr
+  _results(second.stdout)
+  lines = second.stderr.splitlines()
+  assert len(lines) == 1 and "could not be loaded" in lines[0] and "removed" in lines[0], lines
+  assert str(truncated) in lines[0] or str(flipped) in lines[0]
+  assert _summary(second.stdout) == (compiled - 2, compiled)
+
+  third = _snippet(tmp_path, cache)
+  assert third.returncode == 0 and third.stderr == "", third.stderr
+  assert _summary(third.stdout) == (compiled, compiled)
+  assert sorted(_entries(cache)) == names
+
+
+@pytest.mark.parametrize("fault,error", [("file", "FileExistsError"),
+                                         ("full", "No space left on device"),
+                                         ("read-only", "Permission denied")])
+def test_a_cache_that_cannot_be_written_never_stops_a_run(tmp_path, fault, error):
+  """A cache directory that is a file, a full disk, a read-only directory: the run computes the
+  same results, one line on stderr names the directory and the error, and no partial entry or
+  temporary file is left to fail a later run."""
+  cache = tmp_path / "cc"
+  if fault == "file":
+    cache.write_text("a file where the cache directory should be")
+  r = _snippet(tmp_path, cache, "" if fault == "file" else fault)
+  assert r.returncode == 0, r.stderr
+  _results(r.stdout)
+  lines = r.stderr.splitlines()
+  assert len(lines) == 1 and str(cache) in lines[0] and error in lines[0], r.stderr
+  if fault == "file":
+    assert "compilation cache off" in r.stdout
+    return
+  assert not [p for p in cache.rglob("*") if p.is_file()]  # no partial entry, no .tmp file
+  again = _snippet(tmp_path, cache)  # room again: saved now, nothing half-written to warn about
+  assert again.returncode == 0 and again.stderr == "", again.stderr
+  assert _summary(again.stdout)[0] == 0 and _entries(cache)
 
 
 @pytest.mark.slow

@@ -89,6 +89,23 @@ def test_script_bad_input(args, match):
   assert "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("args,match", [
+    # Used to make 100000 fake devices first (over 300 s); the model's heads refuse this mesh.
+    (("--mesh", "100000"), "num_attention_heads=40 is not divisible by the mesh axis tensor=100000"),
+    (("--mesh", "8", "--layout", "ep", "--tensor", "1", "--data", "4096", "--batch", "4096"),
+     "needs 32768 devices, past the 1024"),
+    (("--spec_k", "100000"), "past the limit of 16 (--spec_k)"),  # generation's limit
+    (("--dtype", "int8"), "--dtype=int8: value should be one of <float32|bfloat16|float16>"),
+])
+def test_script_refuses_generations_limits_before_making_devices(args, match):
+  """The full-size defaults (maverick, mesh 8): refused before any device or compile, in the
+  words generation uses, without a traceback."""
+  p = subprocess.run([sys.executable, str(SCRIPT), *args], env=single_device_env(),
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 1 and match in p.stderr, p.stderr[-2000:]
+  assert "Traceback" not in p.stderr and len(p.stderr.splitlines()) <= 2, p.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_modelopt_static_scales_and_nvidia_draft_head():
   """fp8-modelopt = fp8 + one f32 static input scale per FP8 weight; the speculative round adds
