@@ -32,18 +32,20 @@ WAIT_S = 10
 
 class StubEngine:
   """What the app uses of an Engine. A request with max_tokens <= SHORT gets its prompt's first
-  tokens back at once; a longer one runs until cancelled (`cancelled` is set then)."""
+  tokens back at once; a longer one runs until cancelled (`submitted`, then `cancelled` is set)."""
 
   max_seq_len = CONTEXT
   error = None
 
   def __init__(self):
-    self.cancelled = threading.Event()
+    self.submitted, self.cancelled = threading.Event(), threading.Event()
 
   def submit(self, prompt, callback, *, max_tokens, **_):
     handle = types.SimpleNamespace(stop_ids=frozenset(), finished=max_tokens <= SHORT)
     if handle.finished:
       callback(Event(list(prompt[:max_tokens]), True, "length"))
+    else:
+      self.submitted.set()
     return handle
 
   def cancel(self, handle):
@@ -145,11 +147,11 @@ def test_a_short_request_is_answered_while_a_long_prompt_is_tokenized(app_server
 def test_a_non_streaming_client_that_leaves_frees_its_slot(app_server):
   """The stub request never finishes on its own: only the disconnect can cancel it."""
   engine = app_server.engine
-  engine.cancelled.clear()
   body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 50}).encode()
   with socket.create_connection(("127.0.0.1", app_server.port), timeout=WAIT_S) as s:
     s.sendall(http_head(content_length=len(body)) + body)
-    time.sleep(0.2)  # the request is submitted and waits for tokens
+    assert engine.submitted.wait(WAIT_S)  # it waits for tokens that never come
+    time.sleep(0.1)  # the app is now waiting too: nothing cancels the request but the disconnect
     assert not engine.cancelled.is_set()
   assert engine.cancelled.wait(WAIT_S), "the request kept its slot after the client left"
 
