@@ -117,14 +117,14 @@ def check_context(cfg, prompt_lengths, max_new_tokens) -> None:
   if (total <= context).all():
     return
   i = int(np.argmax(total))
-  what = (f"prompt {i} alone has {lengths[i]} tokens" if lengths[i] >= context else
-          f"prompt {i} ({lengths[i]} tokens) + max_new_tokens ({total[i] - lengths[i]}) = "
-          f"{total[i]}")
-  fix = ("shorten the prompt" if lengths[i] >= context else
-         f"lower max_new_tokens (--max_new_tokens) to at most {context - lengths[i]} or shorten "
-         f"the prompt")
-  raise ValueError(f"{what}, past the model's context of {context} positions "
-                   f"(max_position_embeddings): {fix}")
+  if lengths[i] >= context:  # at the context is too long too: one new token must fit after it
+    raise ValueError(f"prompt {i} has {lengths[i]} tokens and the model's context of {context} "
+                     f"positions (max_position_embeddings) must hold the prompt and at least one "
+                     f"new token: shorten it to at most {context - 1} tokens")
+  raise ValueError(f"prompt {i} ({lengths[i]} tokens) + max_new_tokens ({total[i] - lengths[i]}) "
+                   f"= {total[i]}, past the model's context of {context} positions "
+                   f"(max_position_embeddings): lower max_new_tokens (--max_new_tokens) to at "
+                   f"most {context - lengths[i]} or shorten the prompt")
 
 
 def _token_id(t) -> int:

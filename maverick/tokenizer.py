@@ -149,10 +149,15 @@ class Tokenizer:
     """
     if not isinstance(text, str):
       raise TypeError(f"encode expects a str, got {type(text).__name__}")
-    ids = self._tok.encode(text, add_special_tokens=add_bos).ids
+    ids = self._ids(text, add_bos)
     if add_bos and not self._post_adds_bos and self._bos_id is not None:
       ids = [self._bos_id, *ids]
     return list(ids)
+
+  def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch, not encode: it releases the GIL while it works (the same ids), so a long prompt
+    # tokenized in a server thread leaves the event loop free.
+    return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
     """Text of `ids`; ids outside the tokenizer vocabulary are skipped."""
@@ -176,7 +181,7 @@ class Tokenizer:
       raise TokenizerError(f"apply_chat_template needs a BOS token ({BOS_TOKEN}); none is known")
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
       raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
-    text = lambda s: self._tok.encode(s, add_special_tokens=False).ids
+    text = lambda s: self._ids(s, False)
     ids = [self._bos_id]
     for n, msg in enumerate(messages):
       role, content = _message_parts(msg, n)

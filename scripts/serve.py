@@ -12,7 +12,9 @@ Compiles the step and every prompt-length bucket at start-up (progress on stderr
 returns 503 until then, 200 after. Needs the serve extra: pip install 'maverick-jax[serve]'.
 """
 
+import errno
 import os
+import socket
 import sys
 
 from absl import app
@@ -43,7 +45,11 @@ _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
 _KERNELS = cli.define_kernels_flag()
 _CHECK_FINITE = cli.define_check_finite_flag()
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: all).")
-_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on, 1..65535 (0: a free one, printed "
+                             "in the ready line).")
+_MAX_REQUEST_BYTES = flags.DEFINE_integer(
+    "max_request_bytes", None, "Largest request body taken (413 past it). Default: 32 bytes per "
+    "token of --max_seq_len, at least 4 MiB.")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Concurrent requests on the device (the batch).")
 _MAX_SEQ_LEN = flags.DEFINE_integer(
     "max_seq_len", None, "Prompt + generated tokens per request. Default: min(model context, 2048).")
@@ -58,6 +64,32 @@ _MIN_BUCKET = flags.DEFINE_integer("min_bucket", 16, "Smallest prompt-length buc
                                    "two from it up to --max_seq_len are compiled at start-up).")
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id in the API (default: the "
                             "--checkpoint value).")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+  """A TCP socket bound to host:port (port 0: a free one), for uvicorn to serve on. Bound before
+  the model loads and compiles, so a bad --host or --port fails at once; the OSError says what to
+  change."""
+  if not 0 <= port <= 65535:  # uvicorn took 70000 as 70000 mod 65536 = 4464
+    raise OSError(f"--port {port} is not a TCP port: pass 1..65535 (or 0 for a free one)")
+  try:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+  except (socket.gaierror, UnicodeError) as e:
+    raise OSError(f"--host {host!r} is not an address of this machine ({e}): pass an IP "
+                  "address such as 127.0.0.1 or 0.0.0.0") from None
+  sock = socket.socket(family, kind, proto)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart after a stop
+  try:
+    sock.bind(address)
+  except OSError as e:
+    sock.close()
+    fix = ("another process listens there: stop it or pass another --port"
+           if e.errno == errno.EADDRINUSE else
+           "ports below 1024 need root: pass another --port" if e.errno == errno.EACCES else
+           "pass an address of this machine with --host (127.0.0.1, 0.0.0.0) or another --port")
+    raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; {fix}") from None
+  return sock
 
 
 def _batch_buckets():
@@ -115,14 +147,43 @@ def build_server():
                   max_seq_len=_MAX_SEQ_LEN.value or min(context, 2048), rounds=_ROUNDS.value,
                   stop_tokens=loaded.stop_tokens, min_bucket=_MIN_BUCKET.value,
                   batch_buckets=_batch_buckets())
-  return Server(engine, loaded.tokenizer, _NAME.value or _CHECKPOINT.value)
+  return Server(engine, loaded.tokenizer, _NAME.value or _CHECKPOINT.value,
+                max_request_bytes=_MAX_REQUEST_BYTES.value)
+
+
+INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 
 
 def main(argv):
+  compiling = []  # the compile thread, once started
+  try:
+    status = _main(argv, compiling)
+    if not (compiling and compiling[0].is_alive()):
+      return status
+  except KeyboardInterrupt:  # Ctrl-C before uvicorn handles it (loading, starting up)
+    pass
+  print("\nserve: interrupted", file=sys.stderr, flush=True)  # after tqdm's bar, not on it
+  # An XLA compile cannot be stopped, and Python exiting under it (or under JAX's threads mid-way
+  # through start-up) crashes with a segfault: leave without the interpreter's shutdown. Nothing
+  # is lost: the server keeps no state to save.
+  sys.stdout.flush()
+  os._exit(INTERRUPTED_STATUS)
+
+
+def _main(argv, compiling: list):
   try:
     cli.start(argv)
+    if _MAX_REQUEST_BYTES.value is not None and _MAX_REQUEST_BYTES.value < 1:
+      raise cli.UsageError(f"--max_request_bytes must be >= 1, got {_MAX_REQUEST_BYTES.value}")
   except cli.UsageError as e:
     return cli.fail("serve", e)
+  # Before the model loads and compiles: a port in use or a bad --host is an error at once, and
+  # never reaches a compiling thread (uvicorn's own bind failure exited under it and crashed).
+  try:
+    sock = listen_socket(_HOST.value, _PORT.value)
+  except OSError as e:
+    return cli.fail("serve", e)
+  port = sock.getsockname()[1]
   try:
     import uvicorn
     from maverick.serving.server import create_app, start_compiling
@@ -156,14 +217,18 @@ def main(argv):
       bar.set_postfix_str(what)
       return
     bar.close()
-    print(f"serve: ready on http://{_HOST.value}:{_PORT.value}/v1 ({server.model_name}, {mode}, "
+    host = f"[{_HOST.value}]" if ":" in _HOST.value else _HOST.value
+    print(f"serve: ready on http://{host}:{port}/v1 ({server.model_name}, {mode}, "
           f"{eng.slots} slots x {eng.max_seq_len} tokens, compiled in "
           f"{server.compile_seconds:.1f} s; {cli.compile_cache_summary()})", file=sys.stderr,
           flush=True)
 
-  start_compiling(server, progress)
+  compiling.append(start_compiling(server, progress))
   app_ = create_app(server)
-  uvicorn.run(app_, host=_HOST.value, port=_PORT.value, log_level="warning")
+  # Ctrl-C stops uvicorn, which returns (main then sees the compile thread still running) or
+  # raises it again.
+  uvicorn.Server(uvicorn.Config(app_, host=_HOST.value, port=port, log_level="warning")).run(
+      sockets=[sock])
   eng.shutdown()
   return 0
 

@@ -1,7 +1,9 @@
 """Helpers shared by several test files."""
 
+import json
 import os
 import re
+import socket
 
 import numpy as np
 from flax import nnx
@@ -28,3 +30,29 @@ def single_device_env() -> dict:
   flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
   env["XLA_FLAGS"] = flags.strip()
   return env
+
+
+def http_exchange(port: int, *parts: bytes, timeout: float = 10) -> tuple[int, dict]:
+  """Sends raw bytes to 127.0.0.1:port on a new connection (a request the test shapes itself:
+  a Content-Length it never sends, chunks with no end), then reads one response: (status, JSON
+  body)."""
+  with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+    for p in parts:
+      s.sendall(p)
+    data, size = b"", None
+    while size is None or len(data.split(b"\r\n\r\n", 1)[1]) < size:
+      chunk = s.recv(65536)
+      assert chunk, f"the server closed the connection without an answer: {data!r}"
+      data += chunk
+      if size is None and b"\r\n\r\n" in data:
+        head = data.split(b"\r\n\r\n", 1)[0].decode().lower().split("\r\n")
+        size = next(int(h.split(":")[1]) for h in head if h.startswith("content-length:"))
+  head, body = data.split(b"\r\n\r\n", 1)
+  return int(head.split()[1]), json.loads(body)
+
+
+def http_head(path: str = "/v1/completions", **headers) -> bytes:
+  """A POST's request line and headers (JSON content type); header_name=... as Header-Name."""
+  lines = [f"POST {path} HTTP/1.1", "Host: test", "Content-Type: application/json"]
+  lines += [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
+  return ("\r\n".join(lines) + "\r\n\r\n").encode()

@@ -132,7 +132,11 @@ def test_no_device_to_host_transfer_inside_call(fixture_model):
     ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens"),
     ([1, 2, 3], {}, "list of token-id lists"),
     # The fixture's context is 4096 positions.
-    ([[1] * 4097], {}, "prompt 0 alone has 4097 tokens, past the model's context of 4096"),
+    ([[1] * 4097], {}, "prompt 0 has 4097 tokens and the model's context of 4096 positions"),
+    # At the context exactly is too long as well: the message says what fits.
+    ([[1] * 4096], {}, r"prompt 0 has 4096 tokens and the model's context of 4096 positions "
+     r"\(max_position_embeddings\) must hold the prompt and at least one new token: shorten it "
+     r"to at most 4095 tokens"),
     ([[1, 2], [1] * 4000], {"max_new_tokens": 100},
      r"prompt 1 \(4000 tokens\) \+ max_new_tokens \(100\) = 4100, past the model's context of "
      r"4096 positions \(max_position_embeddings\): lower max_new_tokens \(--max_new_tokens\) to "

@@ -5,6 +5,8 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,11 +19,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import maverick  # noqa: E402
-from param_utils import single_device_env  # noqa: E402
+from param_utils import http_exchange, http_head, single_device_env  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAX_SEQ_LEN = 64
 SLOTS = 4
+MAX_REQUEST_BYTES = 100_000
 START_TIMEOUT_S = 600  # load + compile the step and 3 prefill buckets on a slow, shared CPU
 REQUEST_TIMEOUT_S = 120
 
@@ -42,7 +45,8 @@ def server(tmp_path_factory):
   with open(log, "w") as out:
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "scripts" / "serve.py"), f"--port={port}", "--spec_k=3",
-         f"--slots={SLOTS}", f"--max_seq_len={MAX_SEQ_LEN}", "--rounds=2", "--min_bucket=16"],
+         f"--slots={SLOTS}", f"--max_seq_len={MAX_SEQ_LEN}", "--rounds=2", "--min_bucket=16",
+         f"--max_request_bytes={MAX_REQUEST_BYTES}"],
         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
   base = f"http://127.0.0.1:{port}"
   try:
@@ -206,17 +210,32 @@ def test_disconnect_frees_the_slot(server, client):
   assert c.choices[0].finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("body,status,words", [
-    (b"{not json", 400, "not valid JSON"),
-    ({"model": "gpt-5", "prompt": "x"}, 404, "does not exist"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": MAX_SEQ_LEN}, 400, "context"),
-    ({"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
-    ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ({"model": "tiny", "messages": []}, 400, "messages"),
-    ({"model": "tiny", "prompt": [10**9]}, 400, "vocabulary"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "'n'"),
-], ids=["json", "model", "context", "temperature", "top_p", "messages", "token", "n"])
-def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, words):
+@pytest.mark.parametrize("body,status,words,param", [
+    (b"{not json", 400, "not valid JSON", None),
+    ({"model": "gpt-5", "prompt": "x"}, 404, "does not exist", "model"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": MAX_SEQ_LEN}, 400, "context", "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p"),
+    ({"model": "tiny", "messages": []}, 400, "messages", "messages"),
+    ({"model": "tiny", "prompt": [10**9]}, 400, "vocabulary", "prompt"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "'n'", "n"),
+    # A prompt that fills the context leaves no max_tokens to lower: the prompt is named.
+    ({"model": "tiny", "prompt": [1] * MAX_SEQ_LEN, "max_tokens": 1}, 400,
+     f"the prompt has {MAX_SEQ_LEN} tokens and this server's context of {MAX_SEQ_LEN} tokens must "
+     f"hold the prompt and at least one new token: shorten the prompt to at most "
+     f"{MAX_SEQ_LEN - 1} tokens", "prompt"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "def f(x): return x\n" * 40}]},
+     400, "shorten the prompt", "messages"),
+    ({"model": "tiny", "prompt": "x", "return_token_ids": "false"}, 400,
+     "'return_token_ids' must be true or false, got 'false'", "return_token_ids"),
+    ({"model": "tiny", "prompt": "x", "stream": 1}, 400, "'stream' must be true or false",
+     "stream"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages[0] has the role 'wizard'; the roles are 'system', 'user', 'assistant'",
+     "messages"),
+], ids=["json", "model", "context", "temperature", "top_p", "messages", "token", "n",
+        "prompt_at_context", "chat_past_context", "bool_string", "bool_number", "role"])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, words, param):
   path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else \
       "/v1/completions"
   content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -224,7 +243,63 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status,
                  headers={"content-type": "application/json"})
   assert r.status_code == status, r.text
   err = r.json()["error"]
-  assert words in err["message"] and err["type"]
+  assert words in err["message"] and err["type"], err
+  assert err["param"] == param, err
   ok = httpx.post(f"{server}/v1/completions", timeout=60,
                   json={"model": "tiny", "prompt": "x", "max_tokens": 1})
   assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
+
+
+def test_a_body_past_max_request_bytes_is_refused(server):
+  """--max_request_bytes reaches the app: a body declared past it gets 413 at once (none of it
+  is sent; test_serving_http.py has the chunked case)."""
+  port = int(server.rsplit(":", 1)[1])
+  status, body = http_exchange(port, http_head(content_length=10**9))
+  assert status == 413 and body["error"]["code"] == "request_too_large", body
+  assert f"limit of {MAX_REQUEST_BYTES} bytes" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--port=70000"], "--port 70000 is not a TCP port: pass 1..65535"),
+    (["--port=-1"], "--port -1 is not a TCP port"),
+    (["--host=192.0.2.1"], "cannot listen on 192.0.2.1:"),  # TEST-NET: no machine's address
+    (["--port={busy}"], "cannot listen on 127.0.0.1:{busy}: Address already in use; another "
+     "process listens there"),
+    (["--max_request_bytes=0"], "--max_request_bytes must be >= 1"),
+], ids=["port_too_big", "port_negative", "host", "port_in_use", "max_request_bytes"])
+def test_bad_listen_flags_are_one_line_before_anything_loads(args, words):
+  """Refused before the model loads or compiles (so in seconds): one line, exit status 1."""
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    args = [a.format(busy=port) for a in args]
+    # Before the fix, --port=70000 served on 4464 and never exited: the timeout catches that.
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "serve.py"), *args], cwd=REPO,
+                       env=single_device_env(), capture_output=True, text=True, timeout=60)
+  lines = r.stderr.splitlines()
+  assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+  assert lines[0].startswith("serve: error: ") and words.format(busy=port) in lines[0], lines
+
+
+def test_ctrl_c_while_starting_is_one_line(tmp_path):
+  """Ctrl-C as the compile starts: a traceback before, or Python exiting under the running XLA
+  compile crashed (a segfault, or exit status 0 by luck). Now one line and status 130."""
+  env = dict(single_device_env(), MAVERICK_CACHE_DIR=str(tmp_path))  # nothing cached: it compiles
+  proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve.py"), "--port=0",
+                           "--spec_k=0", "--slots=2", f"--max_seq_len={MAX_SEQ_LEN}"], cwd=REPO,
+                          env=env, stderr=subprocess.PIPE, text=True)
+  try:
+    seen = ""
+    while "compiling" not in seen:  # tqdm's bar: the compile thread has started
+      char = proc.stderr.read(1)
+      assert char, f"serve.py ended before compiling: {seen}"
+      seen += char
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=60)[1]
+  finally:
+    proc.kill()
+  lines = [l for l in (seen + rest).replace("\r", "\n").splitlines() if l.strip()]
+  assert proc.returncode == 130, seen + rest
+  assert lines[-1] == "serve: interrupted", lines
+  assert not [l for l in lines if "Fatal" in l or "Traceback" in l], lines

@@ -68,23 +68,32 @@ def _run(engine, prompts, max_tokens):
   return out
 
 
-@pytest.mark.parametrize("kw,words", [
-    (dict(prompt=[]), "the prompt is empty"),
-    (dict(prompt=[1, 10**6]), "outside the vocabulary"),
-    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
-    (dict(max_tokens=30), "lower max_tokens to at most 29"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(seed=-1), "seed must be an integer"),
-    (dict(stop_tokens=list(range(20))), "at most 8 stop token ids"),
-], ids=["empty", "vocab", "max_tokens", "context", "temperature", "top_p", "seed", "stops"])
-def test_bad_requests_are_refused_before_they_touch_a_slot(loaded, kw, words):
-  """Checked in submit, on the caller's thread: nothing is queued or compiled, no slot taken."""
+@pytest.mark.parametrize("kw,words,param", [
+    (dict(prompt=[]), "the prompt is empty", "prompt"),
+    (dict(prompt=[1, 10**6]), "outside the vocabulary", "prompt"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1", "max_tokens"),
+    (dict(max_tokens=30), "the prompt (3 tokens) + max_tokens (30) = 33 tokens does not fit this "
+     "server's context of 32 tokens; lower max_tokens to at most 29", "max_tokens"),
+    # A prompt at the context leaves no room for any max_tokens: the prompt is named, not them.
+    (dict(prompt=[1] * 32, max_tokens=1), "the prompt has 32 tokens and this server's context of "
+     "32 tokens must hold the prompt and at least one new token: shorten the prompt to at most 31 "
+     "tokens", "prompt"),
+    (dict(prompt=[1] * 100), "the prompt has 100 tokens", "prompt"),
+    (dict(temperature=-0.5), "temperature", None),
+    (dict(top_p=1.5), "top_p", None),
+    (dict(seed=-1), "seed must be an integer", "seed"),
+    (dict(stop_tokens=list(range(20))), "at most 8 stop token ids", None),
+], ids=["empty", "vocab", "max_tokens", "context", "prompt_at_context", "prompt_past_context",
+        "temperature", "top_p", "seed", "stops"])
+def test_bad_requests_are_refused_before_they_touch_a_slot(loaded, kw, words, param):
+  """Checked in submit, on the caller's thread: nothing is queued or compiled, no slot taken. The
+  error names the field at fault (the server's "param")."""
   engine = Engine(loaded.model, slots=2, max_seq_len=32, stop_tokens=loaded.stop_tokens)
   args = {"prompt": [1, 2, 3], "max_tokens": 4, **kw}
   with pytest.raises(ValueError) as e:
     engine.submit(args.pop("prompt"), lambda event: None, **args)
   assert words in str(e.value)
+  assert getattr(e.value, "param", None) == param
   assert engine._waiting.empty() and engine.active == 0 and not engine._exes
 
 

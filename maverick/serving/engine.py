@@ -50,6 +50,15 @@ from spec_decode import speculative as spec
 DEFAULT_ROUNDS = 8
 
 
+class RequestError(ValueError):
+  """A request `submit` refuses; param names the request field at fault ("prompt", "max_tokens",
+  ...) and code is OpenAI's error code where it has one."""
+
+  def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.param, self.code = param, code
+
+
 @dataclasses.dataclass
 class Event:
   """What the engine reports for one request after a step: its new tokens (possibly none)."""
@@ -321,31 +330,38 @@ class Engine:
   def submit(self, prompt: Sequence[int], callback: Callable[[Event], None], *,
              max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int = 0, stop_tokens: Sequence[int] | None = None) -> Handle:
-    """Validates and queues a request (ValueError, before it touches a slot, when it cannot run)."""
+    """Validates and queues a request (a RequestError, before it touches a slot, when it cannot
+    run)."""
     self._raise_if_failed()
     cfg = self.config
     prompt = [int(t) for t in prompt]
     if not prompt:
-      raise ValueError("the prompt is empty: it needs at least one token")
+      raise RequestError("the prompt is empty: it needs at least one token", "prompt")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
     if bad:
-      raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
-                       f"{cfg.vocab_size})")
+      raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
+                         f"{cfg.vocab_size})", "prompt")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
         or max_tokens < 1:
-      raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if len(prompt) + max_tokens > self.max_seq_len:
-      raise ValueError(f"the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = "
-                       f"{len(prompt) + max_tokens} is past this server's context of "
-                       f"{self.max_seq_len} tokens; lower max_tokens to at most "
-                       f"{max(self.max_seq_len - len(prompt), 0)} or shorten the prompt")
+      raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+    n, context = len(prompt), self.max_seq_len
+    if n >= context:  # no max_tokens fits: the prompt is what to change
+      raise RequestError(f"the prompt has {n} tokens and this server's context of {context} "
+                         f"tokens must hold the prompt and at least one new token: shorten the "
+                         f"prompt to at most {context - 1} tokens", "prompt",
+                         "context_length_exceeded")
+    if n + max_tokens > context:
+      raise RequestError(f"the prompt ({n} tokens) + max_tokens ({max_tokens}) = "
+                         f"{n + max_tokens} tokens does not fit this server's context of "
+                         f"{context} tokens; lower max_tokens to at most {context - n} or shorten "
+                         f"the prompt", "max_tokens", "context_length_exceeded")
     if not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**32):
-      raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+      raise RequestError(f"seed must be an integer in [0, 2**32), got {seed!r}", "seed")
     stop_ids = self.default_stop if stop_tokens is None else list(stop_tokens)
     stop_row = plain._stop_matrix(cfg, 1, stop_ids)[0]
     if len(stop_ids) > self.max_stop_ids:
-      raise ValueError(f"at most {self.max_stop_ids} stop token ids per request, got "
-                       f"{len(stop_ids)}")
+      raise RequestError(f"at most {self.max_stop_ids} stop token ids per request, got "
+                         f"{len(stop_ids)}")
     params = sampling.SamplingParams.create(1, temperature, top_k, top_p)  # validates
     h = Handle(id=next(self._ids), prompt=prompt, max_tokens=int(max_tokens),
                stop_ids=frozenset(int(t) for t in stop_row if t != plain.NO_STOP),

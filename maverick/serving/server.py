@@ -8,14 +8,19 @@ Both POSTs stream with "stream": true (server-sent events, then `data: [DONE]`).
 "top_k", "ignore_eos" (generate to max_tokens), and "return_token_ids": true adds each choice's
 generated "token_ids". Errors have
 OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 404 for an
-unknown model, 503 while starting. Stop strings ("stop") are matched on the decoded text here; the
-model's end-of-sequence tokens stop on device.
+unknown model, 413 for a body over `max_request_bytes`, 503 while starting. Stop strings ("stop")
+are matched on the decoded text here; the model's end-of-sequence tokens stop on device.
+
+The event loop never waits on a large prompt: bodies are counted while they arrive (refused past the
+limit, never buffered whole) and long texts are tokenized in a worker thread. A client that leaves
+frees its slot, streaming or not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import random
 import threading
@@ -24,12 +29,19 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from maverick.serving.engine import Engine
+from maverick.serving.engine import Engine, RequestError
+
+log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 4
+CHAT_ROLES = ("system", "user", "assistant")  # what the Llama 4 template renders (no tools)
+# Bodies up to this size are tokenized on the event loop (about a millisecond's work); larger ones
+# in a worker thread, so a short request never queues behind a long prompt.
+INLINE_TOKENIZE_BYTES = 4096
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
                "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
                "logit_bias": (None, {}), "response_format": (None, {"type": "text"})}
@@ -48,11 +60,25 @@ def error_response(status: int, message: str, param=None, code=None,
                       status_code=status)
 
 
-class Server:
-  """Holds the engine and tokenizer; `compile_and_start` readies the engine (call in a thread)."""
+def default_max_request_bytes(max_seq_len: int) -> int:
+  """Room for a full context of JSON-escaped text or token ids (32 bytes a token, more than a
+  `\\uXXXX` character or a 6-digit id with its comma takes), at least 4 MiB."""
+  return max(4 << 20, 32 * max_seq_len)
 
-  def __init__(self, engine: Engine, tokenizer, model_name: str):
+
+class Server:
+  """Holds the engine and tokenizer; `compile_and_start` readies the engine (call in a thread).
+  max_request_bytes: the largest request body taken (default_max_request_bytes by default)."""
+
+  def __init__(self, engine: Engine, tokenizer, model_name: str,
+               max_request_bytes: int | None = None):
     self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    if max_request_bytes is None:
+      max_request_bytes = default_max_request_bytes(engine.max_seq_len)
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) \
+        or max_request_bytes < 1:
+      raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
+    self.max_request_bytes = max_request_bytes
     self.ready = False
     self.progress = ""
     self.compile_seconds = None
@@ -82,6 +108,16 @@ def _number(body, name, default, lo=None, hi=None, lo_open=False, integer=False)
   if lo is not None and (v <= lo if lo_open else v < lo) or hi is not None and v > hi:
     rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
     raise ApiError(400, f"'{name}' must be in {rng}, got {v}", name)
+  return v
+
+
+def _boolean(body, name, default=False) -> bool:
+  """A JSON true/false (null: the default); the string "false" is refused, not read as true."""
+  v = body.get(name)
+  if v is None:
+    return default
+  if not isinstance(v, bool):
+    raise ApiError(400, f"'{name}' must be true or false, got {v!r}", name)
   return v
 
 
@@ -130,7 +166,10 @@ def create_app(server: Server) -> FastAPI:
 
   @app.exception_handler(ApiError)
   async def _api_error(request, e: ApiError):
-    return error_response(e.status, e.message, e.param, e.code, e.kind)
+    response = error_response(e.status, e.message, e.param, e.code, e.kind)
+    if e.status == 413:  # close rather than read the rest of a body that is refused anyway
+      response.headers["connection"] = "close"
+    return response
 
   @app.exception_handler(StarletteHTTPException)
   async def _http_error(request, e):
@@ -155,9 +194,35 @@ def create_app(server: Server) -> FastAPI:
                                         "created": server.created, "owned_by": "maverick-jax",
                                         "max_model_len": server.engine.max_seq_len}]}
 
-  async def parse(request: Request) -> dict:
+  @app.exception_handler(ClientDisconnect)
+  async def _client_gone(request, e):  # mid-body: nobody to answer, nothing worth a traceback
+    log.info("%s %s: the client left before sending the whole body", request.method,
+             request.url.path)
+    return Response(status_code=499)  # nginx's "client closed request"; never sent
+
+  async def read_body(request: Request) -> bytes:
+    """The body, refused with 413 once it is past the limit: by its Content-Length before a byte
+    is read, or (chunked) by a running count, so a huge body is never held in memory."""
+    limit = server.max_request_bytes
+    too_large = ApiError(413, f"the request body is larger than this server's limit of {limit} "
+                         "bytes (serve.py --max_request_bytes); send a shorter prompt",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+      raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > limit:
+        raise too_large
+      chunks.append(chunk)
+    return b"".join(chunks)
+
+  async def parse(request: Request) -> tuple[dict, int]:
+    """The request's JSON object, checked for what every POST shares, and its size in bytes."""
+    raw = await read_body(request)
     try:
-      body = json.loads(await request.body())
+      body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -174,37 +239,49 @@ def create_app(server: Server) -> FastAPI:
         raise ApiError(400, f"'{name}' is not supported by this server", name)
     if body.get("n", 1) != 1:
       raise ApiError(400, "'n' must be 1: this server returns one choice per request", "n")
-    return body
+    return body, len(raw)
 
-  def prompt_ids(body) -> list[int]:
+  async def tokenize(fn, text, size: int):
+    """fn(text) on the event loop for a small body, else in a worker thread (the tokenizer
+    releases the GIL), so other requests are served meanwhile."""
+    if size <= INLINE_TOKENIZE_BYTES:
+      return fn(text)
+    return await asyncio.to_thread(fn, text)
+
+  async def prompt_ids(body, size: int) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
       prompt = prompt[0]
     if isinstance(prompt, str):
       if not prompt:
         raise ApiError(400, "'prompt' is empty", "prompt")
-      return server.tokenizer.encode(prompt)
+      return await tokenize(server.tokenizer.encode, prompt, size)
     if isinstance(prompt, list) and prompt and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt):
       return prompt
     raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt "
                    "per request)", "prompt")
 
-  def chat_ids(body) -> list[int]:
+  async def chat_ids(body, size: int) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
       raise ApiError(400, "'messages' must be a non-empty list of {'role', 'content'} objects",
                      "messages")
+    for n, msg in enumerate(messages):  # malformed messages are left to the template's errors
+      role = msg.get("role") if isinstance(msg, dict) else None
+      if isinstance(role, str) and role not in CHAT_ROLES:
+        raise ApiError(400, f"messages[{n}] has the role {role!r}; the roles are "
+                       f"{', '.join(map(repr, CHAT_ROLES))}", "messages")
     try:
-      return server.tokenizer.apply_chat_template(messages)
+      return await tokenize(server.tokenizer.apply_chat_template, messages, size)
     except NotImplementedError as e:
       raise ApiError(400, f"this model has no chat template: {e}", "messages") from None
     except (TypeError, ValueError, KeyError) as e:  # TokenizerError is a ValueError
       raise ApiError(400, f"bad 'messages': {e}", "messages") from None
 
   async def generate(request: Request, chat: bool):
-    body = await parse(request)
-    ids = chat_ids(body) if chat else prompt_ids(body)
+    body, size = await parse(request)
+    ids = await (chat_ids(body, size) if chat else prompt_ids(body, size))
     room = server.engine.max_seq_len - len(ids)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
@@ -216,15 +293,13 @@ def create_app(server: Server) -> FastAPI:
     top_k = _number(body, "top_k", 0, lo=-1, integer=True)
     seed = _number(body, "seed", None, lo=0, hi=2**32 - 1, integer=True)
     stops = _stop_strings(body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-      raise ApiError(400, "'stream' must be true or false", "stream")
+    stream = _boolean(body, "stream")
     opts = body.get("stream_options") or {}
-    usage_in_stream = isinstance(opts, dict) and bool(opts.get("include_usage"))
-    want_ids = bool(body.get("return_token_ids", False))
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-      raise ApiError(400, "'ignore_eos' must be true or false", "ignore_eos")
+    if not isinstance(opts, dict):
+      raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    usage_in_stream = _boolean(opts, "include_usage")
+    want_ids = _boolean(body, "return_token_ids")
+    ignore_eos = _boolean(body, "ignore_eos")
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     try:
@@ -233,9 +308,11 @@ def create_app(server: Server) -> FastAPI:
           max_tokens=max_tokens, temperature=float(temperature), top_k=max(int(top_k), 0),
           top_p=float(top_p), seed=random.getrandbits(32) if seed is None else seed,
           stop_tokens=[] if ignore_eos else None)
+    except RequestError as e:  # names the request field at fault
+      param = {"prompt": "messages" if chat else "prompt", "max_tokens": name}.get(e.param, e.param)
+      raise ApiError(400, str(e), param, e.code) from None
     except ValueError as e:
-      param = "max_tokens" if "max_tokens" in str(e) else None
-      raise ApiError(400, str(e), param) from None
+      raise ApiError(400, str(e)) from None
     except RuntimeError as e:  # the engine stopped on an error (also reported by /health)
       raise ApiError(500, str(e), kind="server_error") from None
     detok = Detokenizer(server.tokenizer, handle.stop_ids, stops)
@@ -276,12 +353,23 @@ def create_app(server: Server) -> FastAPI:
       return c
 
     if not stream:
-      text, all_ids, reason = "", [], None
-      async for piece, toks, reason in pieces():
-        text += piece
-        all_ids += toks
-      return {"id": rid, "object": obj, "created": created, "model": server.model_name,
-              "choices": [choice(text, reason, all_ids, False)], "usage": usage(len(all_ids))}
+      async def collect():
+        text, all_ids, reason = "", [], None
+        async for piece, toks, reason in pieces():
+          text += piece
+          all_ids += toks
+        return {"id": rid, "object": obj, "created": created, "model": server.model_name,
+                "choices": [choice(text, reason, all_ids, False)], "usage": usage(len(all_ids))}
+      # A client that leaves cancels the collecting task, whose `pieces` frees the slot.
+      answer = asyncio.ensure_future(collect())
+      gone = asyncio.ensure_future(_client_disconnects(request))
+      await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+      gone.cancel()
+      if not answer.done():
+        answer.cancel()
+        await asyncio.wait((answer,))  # its `pieces` has cancelled the request
+        return Response(status_code=499)  # never sent: the client is gone
+      return answer.result()
 
     async def sse():
       n = 0
@@ -309,6 +397,13 @@ def create_app(server: Server) -> FastAPI:
     return await generate(request, chat=True)
 
   return app
+
+
+async def _client_disconnects(request: Request) -> None:
+  """Returns once the client has closed the connection (after the body was read, uvicorn's
+  receive() waits for exactly that)."""
+  while (await request.receive())["type"] != "http.disconnect":
+    pass
 
 
 def start_compiling(server: Server, progress=None) -> threading.Thread:
