@@ -151,9 +151,6 @@ def build_server():
                 max_request_bytes=_MAX_REQUEST_BYTES.value)
 
 
-INTERRUPTED_STATUS = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
-
-
 def main(argv):
   compiling = []  # the compile thread, once started
   try:
@@ -162,12 +159,14 @@ def main(argv):
       return status
   except KeyboardInterrupt:  # Ctrl-C before uvicorn handles it (loading, starting up)
     pass
-  print("\nserve: interrupted", file=sys.stderr, flush=True)  # after tqdm's bar, not on it
+  print(file=sys.stderr)  # after tqdm's bar, not on it
+  status = cli.interrupted("serve")
   # An XLA compile cannot be stopped, and Python exiting under it (or under JAX's threads mid-way
   # through start-up) crashes with a segfault: leave without the interpreter's shutdown. Nothing
   # is lost: the server keeps no state to save.
   sys.stdout.flush()
-  os._exit(INTERRUPTED_STATUS)
+  sys.stderr.flush()
+  os._exit(status)
 
 
 def _main(argv, compiling: list):
