@@ -1,0 +1,478 @@
+"""Compiles the project's GPU programs for H200 and B200 on a host with no GPU, and reports what
+only an XLA:GPU compile shows.
+
+Deviceless AOT (jax's CUDA plugin, compile-only devices from XLA's embedded GPU target
+descriptions; the recipe is in the README, "GPU programs compiled without a GPU"): the real XLA:GPU
+passes, buffer assignment, command-buffer conversion, and Mosaic GPU kernels through ptxas. No
+autotuning (there is no device), so matmul configurations are XLA's defaults.
+
+  bash tools/setup.sh cuda12      # the CUDA build of the installed jax (brings ptxas)
+  .venv/bin/python scripts/gpu_compile_check.py            # H200 and B200, ~10 min on 2 cores
+  .venv/bin/python scripts/gpu_compile_check.py --gpus h200 --kernels xla --checks decode
+
+Checks, per GPU:
+  decode  the Maverick FP8 TP8 decode step (one token, all 48 layers, ModelOpt-style FP8 weights,
+          --batch rows over a --context KV cache, 8 compile-only devices, layout tp), kernels
+          "xla" and "pallas": whole-KV-shard copies / transposes in the step (a KV cache updated in
+          place has none), XLA:GPU's planned memory next to plan_memory.py's (CPU) numbers, the
+          Mosaic kernels in the program, and registers / spills of each kernel from ptxas.
+  loops   maverick.generate and spec_decode.generate of the embedded pair (one device, the loop
+          flags of maverick.gpu_flags on): whether each `while` sits inside a command buffer (a
+          CUDA graph: the predicate stays on the device) or is driven by the host, and host
+          transfer thunks.
+The report (Markdown) goes to stdout and to --out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GPUS = {"h200": ("NVIDIA H200 141GB HBM3e", "sm90"), "b200": ("NVIDIA B200", "sm100")}
+CHECKS = ("decode", "loops")
+
+
+def _parse(argv):
+  import argparse
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--gpus", default="h200,b200", help=f"comma list of {sorted(GPUS)}")
+  ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {CHECKS}")
+  ap.add_argument("--kernels", default="xla,pallas", help="decode check: xla and/or pallas")
+  ap.add_argument("--context", type=int, default=131072, help="decode check: KV cache positions")
+  ap.add_argument("--batch", type=int, default=8, help="decode check: rows")
+  ap.add_argument("--layers", type=int, default=48, help="decode check: decoder layers")
+  ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_compile_check.md"))
+  args = ap.parse_args(argv)
+  for name, value, allowed in (("--gpus", args.gpus, GPUS), ("--checks", args.checks, CHECKS),
+                               ("--kernels", args.kernels, ("xla", "pallas"))):
+    bad = set(value.split(",")) - set(allowed)
+    if bad:
+      ap.error(f"{name}: unknown {sorted(bad)}; choose from {sorted(allowed)}")
+  for name in ("context", "batch", "layers"):
+    if getattr(args, name) < 1:
+      ap.error(f"--{name} must be >= 1")
+  return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile-only GPU devices
+# ----------------------------------------------------------------------------------------------
+def _environment(dump_dir: str) -> None:
+  """Before jax starts: CPU as the default backend, the CUDA plugin registered without a GPU, the
+  loop flags, and dumps of the thunk sequences (where command buffers show)."""
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  from maverick import gpu_flags
+  flags = [f"--{name}={value}" for name, value in gpu_flags.LOOP_FLAGS]
+  # Only the generate loops are dumped: the thunk sequences show where each while runs.
+  flags += [f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_module_re=.*generate.*"]
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + flags).strip()
+
+
+def target_config(description: str) -> str:
+  """XLA's GpuTargetConfigProto text for a GPU, as embedded in the CUDA plugin library."""
+  try:
+    import jax_plugins.xla_cuda12 as plugin
+  except ImportError:
+    raise SystemExit("gpu_compile_check needs jax's CUDA plugin: run `bash tools/setup.sh cuda12` "
+                     "(the CUDA build of the installed jax)") from None
+  lib = next(pathlib.Path(plugin.__file__).parent.glob("xla_cuda_plugin*.so"))
+  data = lib.read_bytes()
+  for m in re.finditer(rb'device_description_str: "([^"]+)"', data):
+    if m.group(1).decode() != description:
+      continue
+    start, end = data.rfind(b"\0", 0, m.start()) + 1, data.find(b"\0", m.end())
+    text = data[start:end]
+    if b"gpu_device_info" in text:
+      return text.decode()
+  raise SystemExit(f"no target description {description!r} in {lib}")
+
+
+def gpu_devices(gpu: str, count: int):
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(GPUS[gpu][0]),
+                                      topology=f"1x1x{count}")
+  return topo.devices
+
+
+@contextlib.contextmanager
+def pinned_arch(arch: str):
+  """Mosaic GPU and our kernel dispatch read the architecture from the default (CPU) device:
+  pin it to the target's, as pallas_kernels.lower_for_gpu does."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  from pallas_kernels import common
+  saved = mgpu_utils._infer_arch
+  mgpu_utils._infer_arch = lambda: {"sm90": (9, 0), "sm100": (10, 0)}[arch]
+  token = common._forced_arch.set(arch)
+  try:
+    yield
+  finally:
+    mgpu_utils._infer_arch = saved
+    common._forced_arch.reset(token)
+
+
+@contextlib.contextmanager
+def captured_fds():
+  """What C++ writes to stdout / stderr (ptxas -v lines), as a list filled on exit."""
+  out: list[str] = []
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  with tempfile.TemporaryFile(mode="w+b") as f:
+    os.dup2(f.fileno(), 1)
+    os.dup2(f.fileno(), 2)
+    try:
+      yield out
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os.dup2(saved[0], 1)
+      os.dup2(saved[1], 2)
+      for fd in saved:
+        os.close(fd)
+      f.seek(0)
+      out.append(f.read().decode(errors="replace"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading compiled programs
+# ----------------------------------------------------------------------------------------------
+_INSTR = re.compile(
+    r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\{[^}]*\} (\w[\w\-]*)\(%?([\w.\-]*)")
+
+
+def whole_buffer_moves(hlo_text: str, dims: tuple[int, ...], dtypes: tuple[str, ...]) -> list[str]:
+  """Instructions of a compiled (per-device) HLO module that copy or transpose a whole buffer of
+  shape `dims` into any order of its dims: a `copy` or `transpose`, or a fusion whose name says it
+  is one (XLA names fusions after their root). An in-place update (dynamic-update-slice, scatter)
+  is not a move, nor is materializing a broadcast or constant (a cache's zeros, once)."""
+  want = sorted(dims)
+  moves = []
+  for line in hlo_text.splitlines():
+    m = _INSTR.match(line)
+    if not m or m.group(2) not in dtypes:
+      continue
+    shape = [int(d) for d in m.group(3).split(",") if d]
+    if sorted(shape) != want:
+      continue
+    name, op, operand = m.group(1), m.group(4), m.group(5)
+    if operand.startswith(("broadcast", "constant")):
+      continue
+    if op in ("copy", "transpose") or (
+        op == "fusion" and re.match(r"(wrapped_)?(copy|transpose)", name)):
+      moves.append(f"{name} ({op})")
+  return moves
+
+
+def mosaic_kernels(hlo_text: str) -> int:
+  return len(re.findall(r'custom_call_target="mosaic_gpu', hlo_text))
+
+
+_PTXAS = re.compile(r"Function properties for (\S+)|Used (\d+) registers|(\d+) bytes spill stores")
+
+
+def ptxas_summary(text: str) -> dict:
+  """Kernels ptxas compiled (from MOSAIC_GPU_DUMP_PTXAS output): count, max registers, spills."""
+  regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
+  spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", text)]
+  return {"ptxas_kernels": len(regs), "max_registers": max(regs, default=0),
+          "spill_store_bytes": sum(spills)}
+
+
+_THUNK = re.compile(r"^(\s*)\d+: (k\w+)")
+
+
+def loop_placement(thunk_text: str) -> dict:
+  """In a thunk sequence dump: `while` thunks inside a command buffer (one CUDA graph with a
+  conditional node: no host round trip per iteration) and outside one (host-driven: the predicate
+  is copied to the host every iteration), and host transfer thunks anywhere."""
+  stack: list[tuple[int, str]] = []
+  out = {"while_in_command_buffer": 0, "while_host_driven": 0, "host_transfers": 0}
+  for line in thunk_text.splitlines():
+    m = _THUNK.match(line)
+    if not m:
+      continue
+    indent, kind = len(m.group(1)), m.group(2)
+    while stack and stack[-1][0] >= indent:
+      stack.pop()
+    if kind == "kWhile":
+      inside = any(k == "kCommandBuffer" for _, k in stack)
+      out["while_in_command_buffer" if inside else "while_host_driven"] += 1
+    if re.search(r"Host|Infeed|Outfeed|Send|Recv", kind):
+      out["host_transfers"] += 1
+    stack.append((indent, kind))
+  return out
+
+
+def thunk_text(dump_dir: str, module_hint: str) -> str:
+  files = sorted(pathlib.Path(dump_dir).glob(f"*{module_hint}*thunk_sequence_after_thunk_passes.txt"))
+  files = files or sorted(pathlib.Path(dump_dir).glob(f"*{module_hint}*thunk_sequence.txt"))
+  if not files:
+    raise RuntimeError(f"no thunk sequence dumped for {module_hint!r} in {dump_dir}")
+  return files[-1].read_text()
+
+
+# ----------------------------------------------------------------------------------------------
+# Programs
+# ----------------------------------------------------------------------------------------------
+def maverick_fp8(layers: int):
+  from maverick import config as config_lib
+  from maverick.quant import QuantConfig
+  cfg = config_lib.maverick().replace(quant=QuantConfig())
+  if layers != cfg.num_hidden_layers:
+    # Fewer layers (a quick look): the per-layer lists are derived again from the config's rules.
+    cfg = cfg.replace(num_hidden_layers=layers, no_rope_layers=None, moe_layers=None,
+                      layer_types=None)
+  return cfg
+
+
+def _sharded_model(cfg, mesh, kernels: str, draft_of=None):
+  """(plan, graphdef, state of sharded ShapeDtypeStructs) of the model laid out "tp" on `mesh`;
+  with `draft_of` (an Eagle3Config), of that EAGLE-3 draft instead."""
+  import jax
+  from flax import nnx
+
+  from maverick import model as model_lib
+  from maverick import sharding
+  from spec_decode import draft as draft_lib
+  plan = sharding.Plan(mesh, "tp")
+  model = model_lib.abstract_model(cfg) if draft_of is None else draft_lib.abstract_draft(draft_of)
+  sharding.check_model_fits(cfg if draft_of is None else draft_of.layer, plan)
+  sharding.attach_plan(model, plan)
+  model.set_attributes(kernels=kernels, raise_if_not_found=False)
+  graphdef, state = nnx.split(model)
+  shardings = sharding.param_shardings(state, plan)
+  state = nnx.from_flat_state([
+      (path, var.replace(value=jax.ShapeDtypeStruct(var.shape, var.dtype,
+                                                    sharding=shardings[path])))
+      for path, var in nnx.to_flat_state(state)])
+  return plan, graphdef, state
+
+
+def compile_generate_loop(cfg, mesh, batch: int, context: int, kernels: str, spec: bool):
+  """maverick.generate's program (prefill, then the decode while loop), or with `spec`
+  spec_decode.generate's (K=3 chain rounds with NVIDIA's EAGLE-3 head for the target, as
+  plan_memory.py describes it), for `batch` 16-token prompts and 64 new tokens over a
+  `context`-slot cache: the cache lives inside the program, so XLA picks its layout for the loop.
+  Returns (compiled, seconds)."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from maverick import generation as plain
+  from maverick import memory_plan
+  from spec_decode import speculative
+  plan, graphdef, state = _sharded_model(cfg, mesh, kernels)
+  req, steps, _ = plain.prepare(cfg, [[7] * 16] * batch, max_new_tokens=64)
+  rows = plan.batch_axis(batch)
+  req = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=(
+      NamedSharding(mesh, PartitionSpec(rows, *[None] * (np.ndim(x) - 1))) if np.ndim(x)
+      else NamedSharding(mesh, PartitionSpec()))), req)
+  t = time.perf_counter()
+  if not spec:
+    lowered = plain.generate_jit.lower(graphdef, state, req, steps=steps, capacity=context,
+                                       pad_id=0)
+  else:
+    _, dgraph, dstate = _sharded_model(cfg, mesh, kernels, memory_plan.nvidia_eagle3(cfg))
+    lowered = speculative.spec_generate_jit.lower(graphdef, state, dgraph, dstate, req, k=3,
+                                                  steps=steps, capacity=context, pad_id=0)
+  return lowered.compile(), time.perf_counter() - t
+
+
+def compile_decode_step(cfg, mesh, batch: int, context: int, kernels: str):
+  """One decode step as its own program (one token per row, the KV cache an argument, donated),
+  as the serving engine's step programs are: its cache keeps the default layout at the program's
+  boundary. Returns (compiled, seconds)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from maverick import memory_plan
+  from maverick import model as model_lib
+  from maverick import sharding
+  plan, graphdef, state = _sharded_model(cfg, mesh, kernels)
+  cache = memory_plan._cache_sds(cfg, plan, batch, context)
+  tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=NamedSharding(
+      mesh, PartitionSpec(plan.batch_axis(batch), None)))
+
+  def step(state, tokens, cache):
+    out = model_lib.apply(graphdef, state, tokens, cache=sharding.constrain_cache(cache, plan))
+    return jnp.argmax(out.logits[:, -1], -1), sharding.constrain_cache(out.cache, plan)
+
+  t = time.perf_counter()
+  compiled = jax.jit(step, donate_argnums=2).lower(state, tokens, cache).compile()
+  return compiled, time.perf_counter() - t
+
+
+def kv_shard(cfg, mesh, batch: int, context: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  """One layer's K (or V) cache shard dims on a device, and its HLO dtype names."""
+  import jax.numpy as jnp
+
+  from maverick import memory_plan
+  from maverick import sharding
+  k0 = memory_plan._cache_sds(cfg, sharding.Plan(mesh, "tp"), batch, context).k[0]
+  name = {"bfloat16": "bf16", "float8_e4m3fn": "f8e4m3fn"}.get(jnp.dtype(k0.dtype).name)
+  return tuple(k0.sharding.shard_shape(k0.shape)), (name,)
+
+
+def decode_check(args, gpu: str, dump_dir: str) -> list[dict]:
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from maverick import sharding
+  rows = []
+  cfg = maverick_fp8(args.layers)
+  devices = gpu_devices(gpu, 8)
+  mesh = Mesh(np.asarray(devices).reshape(1, 1, 8), sharding.AXES)
+  names = {"loop": "maverick fp8 tp8 generate (decode loop)",
+           "spec": "maverick fp8 tp8 spec generate (K=3 rounds)",
+           "step": "maverick fp8 tp8 decode step (own program)"}
+  for kernels, program in [(k, p) for k in args.kernels.split(",") for p in names]:
+    name = names[program]
+    row = {"gpu": gpu, "program": name, "kernels": kernels}
+    try:
+      with pinned_arch(GPUS[gpu][1]), captured_fds() as fds:
+        if program == "step":
+          compiled, seconds = compile_decode_step(cfg, mesh, args.batch, args.context, kernels)
+        else:
+          compiled, seconds = compile_generate_loop(cfg, mesh, args.batch, args.context, kernels,
+                                                    spec=program == "spec")
+      shard, dtypes = kv_shard(cfg, mesh, args.batch, args.context)
+      if program != "step":
+        module = "jit__generate" if program == "loop" else "jit__spec_generate"
+        row.update(loop_placement(thunk_text(dump_dir, module)))
+      text = compiled.as_text()
+      moves = whole_buffer_moves(text, shard, dtypes)
+      mem = compiled.memory_analysis()
+      row.update(compile_s=round(seconds, 1), kv_shard=list(shard), whole_kv_moves=len(moves),
+                 moves_sample=moves[:4], mosaic_kernels=mosaic_kernels(text),
+                 xla_temp_GB=mem.temp_size_in_bytes / 1e9,
+                 xla_argument_GB=mem.argument_size_in_bytes / 1e9,
+                 xla_alias_GB=mem.alias_size_in_bytes / 1e9, **ptxas_summary(fds[0]),
+                 status="ok")
+    except Exception as e:  # recorded: the other checks still run
+      row["status"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+    print(_row_line(row), flush=True)
+  return rows
+
+
+def loops_check(args, gpu: str, dump_dir: str) -> list[dict]:
+  """generate / spec generate of the embedded pair on one compile-only device."""
+  import jax
+  from flax import nnx
+  from jax.sharding import SingleDeviceSharding
+
+  import maverick
+  import spec_decode
+  from maverick import generation as plain
+  from spec_decode import speculative
+  (device,) = gpu_devices(gpu, 1)
+  sds = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)), tree)
+  loaded = maverick.load()
+  draft = spec_decode.load_draft("tiny", loaded.model)
+  prompts = [loaded.tokenizer.encode("def f(x):")]
+  rows = []
+  for name in ("generate", "spec_generate"):
+    row = {"gpu": gpu, "program": f"{name} (embedded pair)", "kernels": "xla"}
+    try:
+      req, steps, cap = plain.prepare(loaded.model.config, prompts, max_new_tokens=64)
+      g, s = nnx.split(loaded.model)
+      with pinned_arch(GPUS[gpu][1]):
+        if name == "generate":
+          lowered = plain.generate_jit.lower(g, sds(s), sds(req), steps=steps, capacity=cap,
+                                             pad_id=plain.resolve_pad_id(loaded.model.config, None))
+        else:
+          dg, ds = nnx.split(draft)
+          lowered = speculative.spec_generate_jit.lower(
+              g, sds(s), dg, sds(ds), sds(req), k=3, steps=steps, capacity=cap + 4,
+              pad_id=plain.resolve_pad_id(loaded.model.config, None))
+        t = time.perf_counter()
+        lowered.compile()
+        row["compile_s"] = round(time.perf_counter() - t, 1)
+      # The dump of the module just compiled: the newest one of that jit's name.
+      hint = "jit__generate" if name == "generate" else "jit__spec_generate"
+      row.update(loop_placement(thunk_text(dump_dir, hint)), status="ok")
+    except Exception as e:
+      row["status"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+    print(_row_line(row), flush=True)
+  return rows
+
+
+def _row_line(row: dict) -> str:
+  return " | ".join(f"{k}={v}" for k, v in row.items())
+
+
+def plan_memory_cpu(args) -> str:
+  """plan_memory.py's own numbers for the same step (8 CPU devices, its model of FP8)."""
+  import subprocess
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env.pop("MOSAIC_GPU_DUMP_PTXAS", None)
+  cmd = [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--config", "maverick",
+         "--quant", "fp8", "--mesh", "8", "--context", str(args.context), "--batch",
+         str(args.batch)]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+  return (proc.stdout or proc.stderr).strip()
+
+
+def report(rows: list[dict], plan_text: str, argv) -> str:
+  lines = ["# GPU programs compiled without a GPU", "",
+           f"`python scripts/gpu_compile_check.py {' '.join(argv)}`", "",
+           "| gpu | program | kernels | compile s | whole-KV copies/transposes | Mosaic kernels | "
+           "ptxas kernels / max regs / spill bytes | XLA temp GB | while in command buffer | "
+           "host-driven while | host transfers | status |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    ptx = (f"{r['ptxas_kernels']} / {r['max_registers']} / {r['spill_store_bytes']}"
+           if "max_registers" in r else "-")
+    lines.append(
+        f"| {r['gpu']} | {r['program']} | {r.get('kernels', '-')} | {r.get('compile_s', '-')} | "
+        f"{r.get('whole_kv_moves', '-')} | {r.get('mosaic_kernels', '-')} | {ptx} | "
+        f"{r['xla_temp_GB']:.2f} |" if "xla_temp_GB" in r else
+        f"| {r['gpu']} | {r['program']} | {r.get('kernels', '-')} | {r.get('compile_s', '-')} | "
+        f"- | - | - | - |")
+    lines[-1] += (f" {r.get('while_in_command_buffer', '-')} | {r.get('while_host_driven', '-')} | "
+                  f"{r.get('host_transfers', '-')} | {str(r['status'])[:120]} |")
+  if plan_text:
+    lines += ["", "plan_memory.py (8 CPU devices, same batch and context):", "", "```", plan_text,
+              "```"]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  args = _parse(argv)
+  dump_dir = tempfile.mkdtemp(prefix="gpu_compile_check-")
+  _environment(dump_dir)
+  rows = []
+  for gpu in args.gpus.split(","):
+    if "decode" in args.checks:
+      rows += decode_check(args, gpu, dump_dir)
+    if "loops" in args.checks:
+      rows += loops_check(args, gpu, dump_dir)
+  plan_text = plan_memory_cpu(args) if "decode" in args.checks else ""
+  text = report(rows, plan_text, argv)
+  print(text)
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out.with_suffix(".tmp")
+  tmp.write_text(text)
+  os.replace(tmp, out)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
