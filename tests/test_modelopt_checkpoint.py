@@ -64,26 +64,26 @@ def _scale_names(mod: str) -> tuple[str, str]:
   return t + "_weight_scale", t + "_input_scale"
 
 
+def fake_quant(x, s):
+  """Reference e4m3 quantization, float64: e4m3(clip(x / s)) * s (s a scalar or per row)."""
+  s = np.float64(s)
+  return np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
+
+
+def row_quant(x):
+  """Reference dynamic per-row quantization (maverick.quant.quantize_rows), float64."""
+  return fake_quant(x, np.maximum(np.abs(x).max(-1, keepdims=True), 1 / 512) / 448)
+
+
 def static_act(input_scales: dict):
-  """Reference static activation quantization, float64: e4m3(clip(x / s)) * s."""
-  def act(x, mod):
-    if mod not in input_scales:
-      return x
-    s = np.float64(input_scales[mod])
-    return np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
-  return act
+  """Reference static activation quantization with each module's input scale."""
+  return lambda x, mod: fake_quant(x, input_scales[mod]) if mod in input_scales else x
 
 
 def dynamic_act(mods):
-  """Reference dynamic per-token quantization (maverick.quant.quantize_rows), float64."""
+  """Reference dynamic per-token activation quantization of the modules' inputs."""
   mods = set(mods)
-
-  def act(x, mod):
-    if mod not in mods:
-      return x
-    s = np.maximum(np.abs(x).max(-1, keepdims=True), 1 / 512) / 448
-    return np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
-  return act
+  return lambda x, mod: row_quant(x) if mod in mods else x
 
 
 def modelopt_layout(t: dict, cfg: dict, calib_ids: np.ndarray):
@@ -155,22 +155,21 @@ def layout(hf_fixture_dir, hf_config):
   return modelopt_layout(t, hf_config, calib)
 
 
+def _write_both_configs(tmp_path_factory, name, hf_config, tensors):
+  """The checkpoint with hf_quant_config.json and config.json's quantization_config."""
+  return write_checkpoint(tmp_path_factory.mktemp(name) / "hf", hf_config, tensors,
+                          _quant_config(EXCLUDE), _config_json_form(EXCLUDE))
+
+
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory, hf_config, layout):
-  return write_checkpoint(tmp_path_factory.mktemp("modelopt") / "hf", hf_config, layout[0],
-                          _quant_config(EXCLUDE), _config_json_form(EXCLUDE))
+  return _write_both_configs(tmp_path_factory, "modelopt", hf_config, layout[0])
 
 
 @pytest.fixture(scope="module")
 def model(ckpt_dir):
   """The dynamic per-token FP8 KV cache (kv_cache="fp8"): the checkpoint's k/v scales unused."""
   return load_hf(str(ckpt_dir), dtype="float32", kv_cache="fp8")
-
-
-def fake_quant(x, s):
-  """Reference static e4m3 quantization, float64: e4m3(clip(x / s)) * s."""
-  s = np.float64(s)
-  return np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +196,7 @@ def static_kv(layout, hf_config):
 
 @pytest.fixture(scope="module")
 def static_kv_dir(tmp_path_factory, hf_config, static_kv):
-  return write_checkpoint(tmp_path_factory.mktemp("modelopt_kv") / "hf", hf_config, static_kv[0],
-                          _quant_config(EXCLUDE), _config_json_form(EXCLUDE))
+  return _write_both_configs(tmp_path_factory, "modelopt_kv", hf_config, static_kv[0])
 
 
 @pytest.fixture(scope="module")
@@ -310,12 +308,6 @@ def test_import_dynamic_activations(ckpt_dir, layout, hf_config, hf_fixture):
   assert _agreement(static, want)[0] > 3e-2
 
 
-def dynamic_kv(x, kind, layer):
-  """Reference per-token-and-head KV quantization (maverick.quant.quantize_kv), float64."""
-  s = np.maximum(np.abs(x).max(-1, keepdims=True), 1 / 512) / 448
-  return np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
-
-
 @pytest.mark.slow
 def test_static_kv_cache_matches_float64_reference(static_kv_model, static_kv, layout, hf_config,
                                                    hf_fixture):
@@ -339,7 +331,7 @@ def test_static_kv_cache_matches_float64_reference(static_kv_model, static_kv, l
   assert rel < 1e-3 and top1 >= 0.98, (rel, top1)
   # The scales are really used: unquantized or per-token-quantized K/V are much further away.
   for other in (np_forward(hf_config, ref, inputs, act=act),
-                np_forward(hf_config, ref, inputs, act=act, kv=dynamic_kv)):
+                np_forward(hf_config, ref, inputs, act=act, kv=lambda x, *_: row_quant(x))):
     assert _agreement(other, want)[0] > 10 * rel, (_agreement(other, want)[0], rel)
 
 
