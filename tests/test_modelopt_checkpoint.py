@@ -370,15 +370,18 @@ def test_generate_with_imported_model(static_kv_model, hf_fixture):
 
 
 @pytest.mark.slow
-def test_spec_generate_modelopt_target_nvidia_head_is_lossless(model, tmp_path):
-  """The record pair in miniature: the ModelOpt FP8 target (static activation scales, FP8 KV
-  scales) imported from NVIDIA's layout + an EAGLE-3 head in NVIDIA's layout (full vocabulary, no
-  d2t, no embed_tokens, bfloat16 as shipped): speculative greedy output == plain greedy output.
+def test_spec_generate_modelopt_target_nvidia_head_is_lossless(static_kv_model, tmp_path):
+  """The record pair in miniature: the ModelOpt FP8 target (static activation scales, static FP8
+  KV cache: the defaults) imported from NVIDIA's layout + an EAGLE-3 head in NVIDIA's layout (full
+  vocabulary, no d2t, no embed_tokens, bfloat16 as shipped): speculative greedy output == plain
+  greedy output (verification and rollback over the static FP8 cache; the dynamic one is covered
+  by tests/test_spec_lossless.py and tests/test_tree.py).
   One case only: a speculative program takes ~1 min to compile on the CI machine."""
   import spec_decode
   from nvidia_eagle3_fixture import write_head
   from spec_decode import speculative as spec
   write_head(tmp_path / "head", seed=3, prefix="midlayer.")
+  model = static_kv_model
   draft = spec_decode.load_draft(str(tmp_path / "head"), model)
   assert draft.lm_head.get_value().dtype == jnp.bfloat16
   rng = np.random.default_rng(5)
