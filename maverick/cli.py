@@ -193,6 +193,16 @@ def kernels_value(flag) -> str | None:
   return None if flag.value == "auto" else flag.value
 
 
+def define_kv_cache_flag():
+  """--kv_cache of convert_hf.py / generate.py: the FP8 KV cache of a ModelOpt checkpoint."""
+  return flags.DEFINE_enum(
+      "kv_cache", None, ["fp8_static", "fp8"],
+      "NVIDIA ModelOpt FP8 checkpoints with kv_cache_quant_algo FP8 only: quantize the KV cache "
+      "with the checkpoint's per-layer k/v scales (fp8_static, the default, as TensorRT-LLM and "
+      "vLLM run it; no per-token scale arrays) or with a scale per token and KV head computed at "
+      "run time (fp8; the checkpoint's k/v scales are then dropped).")
+
+
 def define_check_finite_flag():
   """--check_finite for scripts that read Hugging Face checkpoints."""
   return flags.DEFINE_bool(

@@ -345,6 +345,9 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
   (sharded by KV heads, `sharding.constrain_cache`)."""
   if kernels == "xla":
     return None
+  # Static FP8 KV: the kernel reads a scale per slot, so it gets the layer's scalar broadcast to
+  # [B, S, K], built per call (the bytes the dynamic mode's scale arrays cost), never stored.
+  kv_scales = {n: jnp.broadcast_to(s, k_cache.shape[:3]) for n, s in kv_scales.items()}
   if plan is not None:
     q_spec, kv_spec = _head_specs(plan, q.shape[0])
     rows = q_spec[0]

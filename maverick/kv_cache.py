@@ -30,7 +30,8 @@ class KVCache:
   # FP8 cache (Config.quant.kv_cache == "fp8"): k/v are e4m3 and these hold one f32 scale per token
   # and kv head, per layer [B, S, K]. A scale per token (not per head over the whole cache) needs no
   # calibration and keeps an outlier token from costing precision elsewhere; it adds 4 bytes per
-  # Dh e4m3 values (3 % at Dh = 128).
+  # Dh e4m3 values (3 % at Dh = 128). With "fp8_static" k/v are e4m3 too but these stay None: the
+  # scales are per-layer scalars in the model state (Attention.k_cache_scale / v_cache_scale).
   k_scale: tuple[jax.Array, ...] | None = None
   v_scale: tuple[jax.Array, ...] | None = None
 
@@ -48,16 +49,19 @@ class KVCache:
     n = cfg.num_hidden_layers if num_layers is None else num_layers
     shape = (batch_size, capacity, cfg.num_key_value_heads, cfg.head_dim)
     lengths = jnp.zeros((batch_size,), jnp.int32)
-    if dtype is None and cfg.quant is not None and cfg.quant.kv_cache == "fp8":
-      zeros = lambda s, dt: tuple(jnp.zeros(s, dt) for _ in range(n))
+    zeros = lambda s, dt: tuple(jnp.zeros(s, dt) for _ in range(n))
+    kv_format = None if dtype is not None or cfg.quant is None else cfg.quant.kv_cache
+    if kv_format == "fp8":
       return cls(k=zeros(shape, quant_lib.FP8), v=zeros(shape, quant_lib.FP8), lengths=lengths,
                  k_scale=zeros(shape[:3], jnp.float32), v_scale=zeros(shape[:3], jnp.float32))
+    if kv_format == "fp8_static":
+      return cls(k=zeros(shape, quant_lib.FP8), v=zeros(shape, quant_lib.FP8), lengths=lengths)
     dtype = jnp.dtype(dtype or cfg.dtype)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(n))
-    return cls(k=zeros(), v=zeros(), lengths=lengths)
+    return cls(k=zeros(shape, dtype), v=zeros(shape, dtype), lengths=lengths)
 
   @property
   def quantized(self) -> bool:
+    """Per-token scales next to an FP8 cache (the dynamic mode; a static FP8 cache has none)."""
     return self.k_scale is not None
 
   def layer(self, i: int) -> tuple[jax.Array, ...]:

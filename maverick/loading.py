@@ -44,7 +44,8 @@ class Loaded:
 def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
          rules: sharding_lib.Rules = sharding_lib.REPLICATED, seed: int = 0,
          moe_impl: str = "tiles", layout: str = "tp", quant=None,
-         kernels: str | None = None, check_finite: bool = True) -> Loaded:
+         kernels: str | None = None, check_finite: bool = True,
+         kv_cache: str | None = None) -> Loaded:
   """Loads a model and its tokenizer.
 
   check_finite: scan each tensor of a Hugging Face directory for NaN/inf as it is read (an error
@@ -54,6 +55,8 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
 
   quant: a `maverick.quant.QuantConfig` to quantize a BF16 model to FP8 after loading (FP8
   checkpoints need none: their quantization is recorded in them).
+  kv_cache: for a ModelOpt FP8 Hugging Face directory, "fp8_static" (default when it sets
+  kv_cache_quant_algo FP8: its per-layer k/v scales) or "fp8" (per-token scales at run time).
 
   source:
     - "tiny" (the default): the embedded model trained on the Python standard library
@@ -72,14 +75,18 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
   `sharding.initialize_distributed`).
   """
   loaded = _load(source, dtype=dtype, mesh=mesh, rules=rules, seed=seed, moe_impl=moe_impl,
-                 layout=layout, quant=quant, check_finite=check_finite)
+                 layout=layout, quant=quant, check_finite=check_finite, kv_cache=kv_cache)
   if mesh is not None and sharding_lib.plan_of(loaded.model) is None:
     sharding_lib.shard_model(loaded.model, mesh, layout)
   kernels_lib.set_kernels(loaded.model, kernels)
   return loaded
 
 
-def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_finite) -> Loaded:
+def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_finite,
+          kv_cache) -> Loaded:
+  if kv_cache is not None and (source in EMBEDDED or source.startswith(RANDOM_PREFIX)):
+    raise CheckpointError(f"kv_cache={kv_cache!r} applies to ModelOpt FP8 checkpoints; {source} "
+                          "is not one")
   if source in EMBEDDED:
     path = EMBEDDED[source]
     if not store.is_orbax_checkpoint(path):
@@ -108,6 +115,10 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_fi
                             "(embedded), a converted checkpoint, a Hugging Face Llama 4 directory "
                             "or repo id (owner/name), "
                             f"or random:<preset> (presets: {', '.join(sorted(config_lib.PRESETS))})")
+  if store.is_orbax_checkpoint(source) and kv_cache is not None:
+    raise CheckpointError(f"kv_cache={kv_cache!r} is chosen when a ModelOpt checkpoint is read or "
+                          f"converted; {source} is converted already (rerun scripts/convert_hf.py "
+                          "with --kv_cache)")
   if store.is_orbax_checkpoint(source) and mesh is not None:
     model = store.load_orbax_sharded(source, mesh, layout, dtype=dtype, moe_impl=moe_impl)
   elif store.is_orbax_checkpoint(source):
@@ -115,7 +126,7 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_fi
   elif os.path.isfile(os.path.join(source, "config.json")):
     # With a mesh each tensor goes straight into its shards (no device holds a whole tensor).
     model = store.load_hf(source, dtype=dtype, moe_impl=moe_impl, check_finite=check_finite,
-                          mesh=mesh, layout=layout)
+                          kv_cache=kv_cache, mesh=mesh, layout=layout)
   else:
     raise CheckpointError(f"{source} holds neither {store.META_FILE} (converted checkpoint) nor "
                           "config.json (Hugging Face checkpoint)")

@@ -13,8 +13,12 @@ directly; on CPU XLA materialises one layer's dequantized copy, so CPU temp byte
 
 FP8 ModelOpt (`quant="fp8-modelopt"`, NVIDIA's record checkpoint as maverick imports it): the same
 FP8 weights (the per-tensor weight scale is broadcast to our per-output-channel f32 scales), plus one
-static f32 input scale per quantized weight; router, lm_head and embeddings stay BF16. The KV cache
-is counted in the model dtype (the checkpoint's FP8 KV cache would halve it).
+static f32 input scale per quantized weight; router, lm_head and embeddings stay BF16.
+
+KV cache (`kv_cache`): None counts it in the model dtype; "fp8" in e4m3 plus an f32 scale per token
+and kv head; "fp8_static" in e4m3 alone, with two f32 scalars per layer in the weights (ModelOpt's
+k/v scales; what maverick loads a ModelOpt checkpoint with `kv_cache_quant_algo: FP8` as). The draft
+head's cache stays in the model dtype.
 
 Draft (`nvidia_eagle3(cfg)`): NVIDIA's EAGLE-3 head for Maverick as published facts describe it
 (research/nvidia_checkpoints.md): BF16, fc 3*hidden -> hidden, one decoder layer with the target's
@@ -37,6 +41,7 @@ from maverick import model as model_lib
 from maverick import sampling
 from maverick import sharding
 from maverick.config import Config
+from maverick.quant import config as quant_config
 from spec_decode import draft as draft_lib
 from spec_decode import speculative
 from spec_decode.verify import Candidates, chain_parents, verify_chain
@@ -55,6 +60,8 @@ def quantized_weight(path: tuple, axes: tuple) -> tuple[int, ...] | None:
   """For a weight quantized to FP8, the dims its per-output-channel scale reduces over (the
   contracting dims); None when the weight stays in the model dtype."""
   name = str(path[-1])
+  if not axes:  # scalars (static KV-cache scales) are never quantized
+    return None
   if "attn" in map(str, path) or (len(path) >= 2 and str(path[-2]) in ("ffn", "shared")
                                   and name in ("gate", "up", "down")):
     if axes[-1] == "embed":  # output projections: contract everything but experts and D
@@ -155,17 +162,29 @@ def merge_quantized(graphdef, state, scales: dict, dtype):
   return model
 
 
+def with_kv_cache(cfg: Config, kv_cache: str | None) -> Config:
+  """`cfg` whose KV cache (and static KV scales) follow `kv_cache`; weights are planned apart."""
+  if kv_cache is None:
+    return cfg
+  if kv_cache not in quant_config.KV_FORMATS:
+    raise ValueError(f"kv_cache {kv_cache!r}: use one of {quant_config.KV_FORMATS} or None")
+  return cfg.replace(quant=quant_config.QuantConfig(weights=None, kv_cache=kv_cache))
+
+
 def _cache_sds(cfg: Config, plan: sharding.Plan, batch: int, capacity: int, num_layers=None,
                dtype=None):
   abstract = jax.eval_shape(lambda: kvc.KVCache.init(cfg, batch, capacity, dtype=dtype,
                                                      num_layers=num_layers))
   row = plan.batch_axis(batch)
   kv = NamedSharding(plan.mesh, PartitionSpec(row, None, plan.rules["kv_heads"], None))
+  per_token = NamedSharding(plan.mesh, PartitionSpec(row, None, plan.rules["kv_heads"]))
   lengths = NamedSharding(plan.mesh, PartitionSpec(row))
+  sds = lambda xs, sh: None if xs is None else tuple(
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x in xs)
   return kvc.KVCache(
-      k=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv) for x in abstract.k),
-      v=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv) for x in abstract.v),
-      lengths=jax.ShapeDtypeStruct(abstract.lengths.shape, jnp.int32, sharding=lengths))
+      k=sds(abstract.k, kv), v=sds(abstract.v, kv),
+      lengths=jax.ShapeDtypeStruct(abstract.lengths.shape, jnp.int32, sharding=lengths),
+      k_scale=sds(abstract.k_scale, per_token), v_scale=sds(abstract.v_scale, per_token))
 
 
 def _tree_bytes(tree) -> int:
@@ -204,8 +223,9 @@ def _report(name, compiled, weight_bytes, kv_bytes, static=0) -> Report:
 
 
 def plan_decode_step(cfg: Config, plan: sharding.Plan, *, batch: int, context: int,
-                     quant: str = "bf16") -> Report:
+                     quant: str = "bf16", kv_cache: str | None = None) -> Report:
   """One greedy decode step (T=1) against a KV cache of `context` positions."""
+  cfg = with_kv_cache(cfg, kv_cache)
   target = model_lib.abstract_model(cfg)
   sharding.check_model_fits(cfg, plan)
   sharding.attach_plan(target, plan)
@@ -227,11 +247,12 @@ def plan_decode_step(cfg: Config, plan: sharding.Plan, *, batch: int, context: i
 
 
 def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: int, k: int = 3,
-                    quant: str = "bf16", draft_config=None) -> Report:
+                    quant: str = "bf16", draft_config=None, kv_cache: str | None = None) -> Report:
   """One EAGLE-3 round: target verify over K+1 tokens (capturing the aux features), draft extend
   over the verified positions, K chained draft steps; greedy."""
   k = speculative.check_chain_k(k)  # generation's limit: a deeper chain is never run
   dcfg = draft_config or nvidia_eagle3(cfg)
+  cfg = with_kv_cache(cfg, kv_cache)
   target = model_lib.abstract_model(cfg)
   draft = draft_lib.abstract_draft(dcfg)
   sharding.check_model_fits(cfg, plan)

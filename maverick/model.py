@@ -80,6 +80,18 @@ def input_scale_param(quant: quant_config.QuantConfig | None, name: str) -> nnx.
   return nnx.Param(jnp.ones((), jnp.float32), logical_axes=())
 
 
+# Attention's static FP8 KV-cache scale params, by the names stored in the model state.
+KV_CACHE_SCALES = ("k_cache_scale", "v_cache_scale")
+
+
+def kv_cache_scale_param(quant: quant_config.QuantConfig | None) -> nnx.Param | None:
+  """One layer's static FP8 KV-cache scale (f32 scalar, replicated; a placeholder 1.0 until a
+  ModelOpt checkpoint sets it from `k_scale` / `v_scale`) when `quant.kv_cache == "fp8_static"`."""
+  if quant is None or not quant.static_kv:
+    return None
+  return nnx.Param(jnp.ones((), jnp.float32), logical_axes=())
+
+
 def _value(p):
   return None if p is None else p[...]
 
@@ -185,8 +197,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
               k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
   """GQA attention (XLA reference). q [B,T,H,Dh], k/v [B,S,K,Dh], mask [B,T,S] -> [B,T,H,Dh].
   Query head j uses kv head j // G (HF repeat_kv is repeat_interleave).
-  FP8 KV cache: k/v are e4m3 with scales [B,S,K]; the k scale multiplies the scores and the v scale
-  the probabilities (what a fused kernel does), never a dequantized copy of the cache."""
+  FP8 KV cache: k/v are e4m3 with scales [B,S,K] (dynamic) or scalars (static); the k scale
+  multiplies the scores and the v scale the probabilities (what a fused kernel does), never a
+  dequantized copy of the cache."""
   B, T, H, Dh = q.shape
   K = k.shape[2]
   q = q.reshape(B, T, K, H // K, Dh)
@@ -194,16 +207,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     k = k.astype(q.dtype)
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
   if k_scale is not None:
-    scores = scores * jnp.transpose(k_scale, (0, 2, 1))[:, :, None, None, :]
+    scores = scores * _per_slot(k_scale)
   scores = scores * (Dh ** -0.5)
   scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1)
   if v_scale is not None:
-    probs = probs * jnp.transpose(v_scale, (0, 2, 1))[:, :, None, None, :]
+    probs = probs * _per_slot(v_scale)
     v = v.astype(q.dtype)
   probs = probs.astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
   return out.reshape(B, T, H, Dh).astype(q.dtype)
+
+
+def _per_slot(scale: jax.Array) -> jax.Array:
+  """A KV scale broadcastable over scores [B,K,G,T,S]: [B,S,K] per token, or a scalar."""
+  return scale if scale.ndim == 0 else jnp.transpose(scale, (0, 2, 1))[:, :, None, None, :]
 
 
 def chunked_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
@@ -250,6 +268,10 @@ class Attention(nnx.Module):
                               fan_in=H * Dh, name=n + "o")
     for p in "qkvo":
       setattr(self, f"{p}_input_scale", input_scale_param(cfg.quant, n + p))
+    # Static FP8 KV cache: the calibrated per-layer scales (`k_scale` above is the k projection's
+    # weight scale).
+    self.k_cache_scale = kv_cache_scale_param(cfg.quant)
+    self.v_cache_scale = kv_cache_scale_param(cfg.quant)
     self.quant = cfg.quant
     self.use_rope = cfg.uses_rope(layer)
     self.qk_norm = cfg.use_qk_norm and self.use_rope
@@ -265,6 +287,10 @@ class Attention(nnx.Module):
                attention_fn=None, tree: TreeMask | None = None):
     """Returns (output [B,T,D], (k_cache, v_cache) or None; for an FP8 cache (`layer_cache` of
     4: k, v, k_scale, v_scale) the 4-tuple, new entries quantized per token and kv head).
+    Static FP8 KV (`k_cache_scale` set): the cache is (k, v) in e4m3 quantized with the layer's
+    scalar scales, and every attention, with or without a cache, reads K/V as stored, i.e.
+    e4m3(clip(x / scale)) * scale (as vLLM, which attends to its FP8 cache in prefill too); so a
+    prefill-then-decode run equals one forward.
 
     With a cache, the new keys/values are written at slots cache_lengths[b] + t. `attend_to_cache=False`
     (prefill into an empty cache) attends among the new tokens only, avoiding a T x capacity score
@@ -273,6 +299,13 @@ class Attention(nnx.Module):
     (EAGLE-3 training-time test attends across unrolled steps). `tree`: the cache holds a token
     tree (see TreeMask)."""
     q, k, v = self.project(x_btd, positions_bt)
+    static_scales = None
+    if self.k_cache_scale is not None:
+      static_scales = dict(k_scale=self.k_cache_scale[...], v_scale=self.v_cache_scale[...])
+      kq = quant_lib.quantize_static(k, static_scales["k_scale"])
+      vq = quant_lib.quantize_static(v, static_scales["v_scale"])
+      k = quant_lib.dequantize(kq, static_scales["k_scale"], (), k.dtype)
+      v = quant_lib.dequantize(vq, static_scales["v_scale"], (), v.dtype)
     if attention_fn is not None:
       return self.output(attention_fn(q, k, v)), None
     new_cache = None
@@ -281,11 +314,19 @@ class Attention(nnx.Module):
       if len(layer_cache) == 4:  # FP8 cache: (k, v, k_scale, v_scale), written quantized
         (kq, ks), (vq, vs) = quant_lib.quantize_kv(k), quant_lib.quantize_kv(v)
         new = (kq, vq, ks, vs)
+      elif layer_cache[0].dtype == quant_lib.FP8:
+        if static_scales is None:
+          raise ValueError("an FP8 KV cache without per-token scales needs a model with static KV "
+                           "scales (quant kv_cache 'fp8_static'); build the cache with "
+                           "KVCache.init(model.config, ...)")
+        new = (kq, vq)
       new_cache = tuple(kvc.write(c, x, cache_lengths) for c, x in zip(layer_cache, new))
       if attend_to_cache:
         kv_scales = {}
         if len(new_cache) == 4:
           kv_scales = dict(k_scale=new_cache[2], v_scale=new_cache[3])
+        elif new_cache[0].dtype == quant_lib.FP8:
+          kv_scales = static_scales
         out = kernels_lib.cache_attention(q, new_cache[0], new_cache[1], positions_bt,
                                           self.chunk_size, tree, kv_scales, self.kernels,
                                           sharding_plan.plan_of(self))

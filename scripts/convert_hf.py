@@ -46,6 +46,7 @@ _ACTIVATIONS = flags.DEFINE_enum(
     "NVIDIA ModelOpt FP8 checkpoints only: quantize activations with the checkpoint's static "
     "per-tensor input scales (the default, as TensorRT-LLM and vLLM run it) or per token at run "
     "time (the input scales are then dropped).")
+_KV_CACHE = cli.define_kv_cache_flag()
 
 
 
@@ -80,6 +81,7 @@ def main(argv):
   try:
     out = convert_hf_to_orbax(hf_dir, _OUT_DIR.value, dtype=_DTYPE.value,
                               check_finite=_CHECK_FINITE.value, activations=_ACTIVATIONS.value,
+                              kv_cache=_KV_CACHE.value,
                               overwrite=_OVERWRITE.value, progress=_PROGRESS.value)
   except (CheckpointError, ConfigError, FileExistsError, PermissionError) as e:
     # User mistakes: one line, no traceback. Anything else is a bug and keeps its traceback.

@@ -68,6 +68,7 @@ _CHAT = flags.DEFINE_bool("chat", False, "Wrap each prompt in the Llama 4 chat t
                           "the checkpoint's tokenizer.json with the header tokens).")
 _KERNELS = cli.define_kernels_flag()
 _CHECK_FINITE = cli.define_check_finite_flag()
+_KV_CACHE = cli.define_kv_cache_flag()
 _STREAM = flags.DEFINE_bool(
     "stream", False, "Print tokens as they are produced (one --prompt only). Runs one device call "
     "per --stream_chunk tokens, each re-reading the text so far (no KV cache kept between calls): "
@@ -131,7 +132,7 @@ def _main(argv):
     mesh = mesh_flags.mesh_from_flags()
     loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value, mesh=mesh,
                            layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),
-                           check_finite=_CHECK_FINITE.value)
+                           check_finite=_CHECK_FINITE.value, kv_cache=_KV_CACHE.value)
     tok = loaded.tokenizer
     if tok is None:
       raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json; copy the model's tokenizer "

@@ -35,6 +35,11 @@ _QUANT = flags.DEFINE_enum(
     "Weight format of linears/experts. fp8-modelopt: NVIDIA's ModelOpt FP8 checkpoint as imported "
     "(FP8 weights, per-channel f32 scales, a static f32 input scale per weight; router, lm_head "
     "and embeddings BF16).")
+_KV_CACHE = flags.DEFINE_enum(
+    "kv_cache", "auto", ["auto", "none", "fp8", "fp8_static"],
+    "KV cache format. auto: fp8_static with --quant fp8-modelopt (how maverick loads a ModelOpt "
+    "checkpoint with kv_cache_quant_algo FP8), none otherwise. none: the model dtype; fp8: e4m3 "
+    "plus an f32 scale per token and KV head; fp8_static: e4m3 with per-layer scalar scales.")
 _DRAFT = flags.DEFINE_enum(
     "draft", "nvidia-eagle3", ["nvidia-eagle3"],
     "Draft head of the speculative round: NVIDIA's EAGLE-3 head for the target (BF16, full "
@@ -129,24 +134,31 @@ def run(cfg, sizes: dict[str, int]) -> str:
     raise cli.UsageError(f"the mesh needs {needed} devices, {jax.device_count()} are present")
   mesh = sharding.make_mesh(devices=jax.devices()[:needed], **sizes)
   plan = sharding.Plan(mesh, _LAYOUT.value)
-  kw = dict(batch=_BATCH.value, context=_CONTEXT.value, quant=_QUANT.value)
+  kv_cache = _KV_CACHE.value
+  if kv_cache == "auto":
+    kv_cache = "fp8_static" if _QUANT.value == "fp8-modelopt" else "none"
+  kw = dict(batch=_BATCH.value, context=_CONTEXT.value, quant=_QUANT.value,
+            kv_cache=None if kv_cache == "none" else kv_cache)
   reports = [memory_plan.plan_decode_step(cfg, plan, **kw)]
   if _SPEC_K.value:
     reports.append(memory_plan.plan_spec_round(cfg, plan, k=_SPEC_K.value,
                                                draft_config=memory_plan.nvidia_eagle3(cfg), **kw))
   mesh_desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
-  title = (f"{_CONFIG.value} {_QUANT.value}, layout {_LAYOUT.value} ({mesh_desc}), context "
-           f"{_CONTEXT.value} x batch {_BATCH.value}, per device:")
+  kv_desc = cfg.dtype if kv_cache == "none" else kv_cache
+  title = (f"{_CONFIG.value} {_QUANT.value}, KV cache {kv_desc}, layout {_LAYOUT.value} "
+           f"({mesh_desc}), context {_CONTEXT.value} x batch {_BATCH.value}, per device:")
   text = memory_plan.format_reports(title, reports)
   if _SPEC_K.value:
     text += "\n" + memory_plan.describe_draft(memory_plan.nvidia_eagle3(cfg))
   if _QUANT.value == "fp8-modelopt":
-    text += ("\nKV cache counted in " + cfg.dtype + " (the ModelOpt checkpoint's FP8 KV cache "
-             "would halve it); static input scales included in weights")
+    text += "\nstatic input scales included in weights"
+  if kv_cache == "fp8_static":
+    text += "\nKV cache e4m3 with per-layer scalar scales (in weights), no per-token scales"
   if _JSON.value:
     cli.write_atomic(_JSON.value, json.dumps({
         "config": _CONFIG.value, "layout": _LAYOUT.value, "mesh": dict(mesh.shape),
-        "quant": _QUANT.value, "context": _CONTEXT.value, "batch": _BATCH.value,
+        "quant": _QUANT.value, "kv_cache": kv_cache, "context": _CONTEXT.value,
+        "batch": _BATCH.value,
         "draft": _DRAFT.value if _SPEC_K.value else None,
         "reports": [dict(dataclasses.asdict(r), total_bytes=r.total_bytes) for r in reports]},
         indent=1))

@@ -87,10 +87,11 @@ def _assert_no_output(out):
 # ----------------------------------------------------------------------------------------------
 # Independent float64 NumPy reference (spec §2-3), HF config dict + HF tensor names only
 # ----------------------------------------------------------------------------------------------
-def np_forward(cfg: dict, t: dict, ids: np.ndarray, act=None) -> np.ndarray:
+def np_forward(cfg: dict, t: dict, ids: np.ndarray, act=None, kv=None) -> np.ndarray:
   """act(x, module): optional hook applied to the input of every linear / expert product (named
   by its HF module, e.g. `model.layers.0.self_attn.q_proj`, `...feed_forward.experts.down_proj`):
-  activation quantization or calibration; None = identity."""
+  activation quantization or calibration; None = identity. kv(x, "k" or "v", layer): the same for
+  the keys and values attention reads (after RoPE and QK norm): KV-cache quantization."""
   f = lambda n: t[n].astype(np.float64)
   a = (lambda x, n: x) if act is None else act
   L, D = cfg["num_hidden_layers"], cfg["hidden_size"]
@@ -150,6 +151,8 @@ def np_forward(cfg: dict, t: dict, ids: np.ndarray, act=None) -> np.ndarray:
     elif cfg.get("attn_temperature_tuning", True):
       scale = np.log1p(np.floor((pos + 1.0) / cfg["floor_scale"])) * cfg["attn_scale"] + 1.0
       q = q * scale[None, :, None, None]
+    if kv is not None:
+      k, v = kv(k, "k", i), kv(v, "v", i)
     k, v = np.repeat(k, H // K, axis=2), np.repeat(v, H // K, axis=2)  # head j -> kv j // G
     s = np.einsum("bihd,bjhd->bhij", q, k) * Dh ** -0.5
     s = np.where(chunked if types[i] == "chunked_attention" else causal, s, -np.inf)

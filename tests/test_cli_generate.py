@@ -98,6 +98,7 @@ def test_cli_random_model():
     (["--checkpoint=random:tiny", "--prompt=abcdefghij", "--max_cache_len=4"],
      ["KV cache holds 4"]),
     (["--prompt=x", "--kernels=pallas"], ["kernels='pallas' needs a Hopper", "--kernels auto"]),
+    (["--prompt=x", "--kv_cache=fp8"], ["kv_cache='fp8' applies to ModelOpt", "tiny"]),
     (["--prompt=x", "--max_new_tokens=600", "--spec_k=0"],
      ["past the model's context of 512", "--max_new_tokens"]),
 ])
@@ -135,6 +136,11 @@ def test_load_errors(tmp_path):
     maverick.load("random:nope")
   with pytest.raises(ValueError, match="random init is limited"):
     maverick.load("random:maverick")
+  # --kv_cache picks how a ModelOpt checkpoint is read; a converted one has it recorded already.
+  with pytest.raises(CheckpointError, match="applies to ModelOpt FP8 checkpoints"):
+    maverick.load("random:tiny", kv_cache="fp8")
+  with pytest.raises(CheckpointError, match="converted already.*--kv_cache"):
+    maverick.load(maverick.loading.EMBEDDED["tiny"], kv_cache="fp8_static")
 
 
 def test_preset_parameter_counts_match_published():

@@ -12,6 +12,7 @@ with the same activation quantization applied to every FP8 linear's input.
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -63,26 +64,26 @@ def _scale_names(mod: str) -> tuple[str, str]:
   return t + "_weight_scale", t + "_input_scale"
 
 
+def fake_quant(x, s):
+  """Reference e4m3 quantization, float64: e4m3(clip(x / s)) * s (s a scalar or per row)."""
+  s = np.float64(s)
+  return np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
+
+
+def row_quant(x):
+  """Reference dynamic per-row quantization (maverick.quant.quantize_rows), float64."""
+  return fake_quant(x, np.maximum(np.abs(x).max(-1, keepdims=True), 1 / 512) / 448)
+
+
 def static_act(input_scales: dict):
-  """Reference static activation quantization, float64: e4m3(clip(x / s)) * s."""
-  def act(x, mod):
-    if mod not in input_scales:
-      return x
-    s = np.float64(input_scales[mod])
-    return np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
-  return act
+  """Reference static activation quantization with each module's input scale."""
+  return lambda x, mod: fake_quant(x, input_scales[mod]) if mod in input_scales else x
 
 
 def dynamic_act(mods):
-  """Reference dynamic per-token quantization (maverick.quant.quantize_rows), float64."""
+  """Reference dynamic per-token activation quantization of the modules' inputs."""
   mods = set(mods)
-
-  def act(x, mod):
-    if mod not in mods:
-      return x
-    s = np.maximum(np.abs(x).max(-1, keepdims=True), 1 / 512) / 448
-    return np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
-  return act
+  return lambda x, mod: row_quant(x) if mod in mods else x
 
 
 def modelopt_layout(t: dict, cfg: dict, calib_ids: np.ndarray):
@@ -154,15 +155,53 @@ def layout(hf_fixture_dir, hf_config):
   return modelopt_layout(t, hf_config, calib)
 
 
-@pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory, hf_config, layout):
-  return write_checkpoint(tmp_path_factory.mktemp("modelopt") / "hf", hf_config, layout[0],
+def _write_both_configs(tmp_path_factory, name, hf_config, tensors):
+  """The checkpoint with hf_quant_config.json and config.json's quantization_config."""
+  return write_checkpoint(tmp_path_factory.mktemp(name) / "hf", hf_config, tensors,
                           _quant_config(EXCLUDE), _config_json_form(EXCLUDE))
 
 
 @pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory, hf_config, layout):
+  return _write_both_configs(tmp_path_factory, "modelopt", hf_config, layout[0])
+
+
+@pytest.fixture(scope="module")
 def model(ckpt_dir):
-  return load_hf(str(ckpt_dir), dtype="float32")
+  """The dynamic per-token FP8 KV cache (kv_cache="fp8"): the checkpoint's k/v scales unused."""
+  return load_hf(str(ckpt_dir), dtype="float32", kv_cache="fp8")
+
+
+@pytest.fixture(scope="module")
+def static_kv(layout, hf_config):
+  """(stored tensors with calibrated k_scale / v_scale, scales {"k"/"v": [per layer]}). The
+  scales are max |K| (|V|) / 448 of each layer on a calibration batch, NOT clamped to >= 1 as the
+  exporter does, so that they differ per layer and matter on this small model."""
+  stored, ref, input_scales = layout
+  amax = {}
+
+  def record(x, kind, i):
+    amax[kind, i] = max(amax.get((kind, i), 0.0), float(np.abs(x).max()))
+    return x
+  calib = np.random.default_rng(1).integers(0, hf_config["vocab_size"], (4, 24))
+  np_forward(hf_config, ref, calib, act=static_act(input_scales), kv=record)
+  t, scales = dict(stored), {"k": [], "v": []}
+  for i in range(hf_config["num_hidden_layers"]):
+    for kind in "kv":
+      s = np.float32(amax[kind, i] / 448)
+      t[f"model.layers.{i}.self_attn.{kind}_proj.{kind}_scale"] = np.array(s, np.float32)
+      scales[kind].append(s)
+  return t, scales
+
+
+@pytest.fixture(scope="module")
+def static_kv_dir(tmp_path_factory, hf_config, static_kv):
+  return _write_both_configs(tmp_path_factory, "modelopt_kv", hf_config, static_kv[0])
+
+
+@pytest.fixture(scope="module")
+def static_kv_model(static_kv_dir):
+  return load_hf(str(static_kv_dir), dtype="float32")  # the default: static KV scales
 
 
 def _agreement(got, want):
@@ -220,7 +259,7 @@ def test_static_activations_run_sharded(ckpt_dir, model, hf_fixture, layout_name
   one device does; only the f32 sum order differs), prompt and decode-sized inputs."""
   from maverick import sharding
   loaded = maverick.load(str(ckpt_dir), dtype="float32", mesh=sharding.make_mesh(**mesh_kw),
-                         layout=layout_name)
+                         layout=layout_name, kv_cache="fp8")
   assert loaded.model.config.quant.activations == "static_per_tensor"
   assert sharding.plan_of(loaded.model) is not None
   inputs = hf_fixture["inputs"]
@@ -232,9 +271,30 @@ def test_static_activations_run_sharded(ckpt_dir, model, hf_fixture, layout_name
 
 
 @pytest.mark.slow
+def test_static_kv_scales_load_sharded(static_kv_dir, static_kv_model, hf_fixture):
+  """The static KV scales go onto a mesh as replicated scalars with the checkpoint's values, and
+  the sharded model computes the single-device one's logits (up to e4m3 rounding flips of f32
+  sum-order noise, which the static scales make visible: top-1 agreement)."""
+  from maverick import sharding
+  loaded = maverick.load(str(static_kv_dir), dtype="float32",
+                         mesh=sharding.make_mesh(data=4, tensor=2)).model
+  assert loaded.config.quant.kv_cache == "fp8_static"
+  for got, want in ((loaded.layers[i].attn, static_kv_model.layers[i].attn) for i in (0, 3)):
+    for name in model_lib.KV_CACHE_SCALES:
+      x = getattr(got, name)[...]
+      assert x.shape == () and x.sharding.is_fully_replicated
+      assert float(x) == float(getattr(want, name)[...])
+  x = jnp.asarray(hf_fixture["inputs"])
+  sharded = np.asarray(model_lib.apply(*nnx.split(loaded), x).logits)
+  _, top1 = _agreement(sharded, np.asarray(static_kv_model(x).logits))
+  assert top1 >= 0.95, top1
+
+
+@pytest.mark.slow
 def test_import_dynamic_activations(ckpt_dir, layout, hf_config, hf_fixture):
   _, ref, input_scales = layout
-  model = load_hf(str(ckpt_dir), dtype="float32", activations="dynamic_per_token")
+  model = load_hf(str(ckpt_dir), dtype="float32", activations="dynamic_per_token",
+                  kv_cache="fp8")
   assert model.config.quant.activations == "dynamic_per_token"
   assert not any(k[-1].endswith("input_scale") for k in flat_params(model))
   inputs = hf_fixture["inputs"]
@@ -249,23 +309,80 @@ def test_import_dynamic_activations(ckpt_dir, layout, hf_config, hf_fixture):
 
 
 @pytest.mark.slow
-def test_generate_with_imported_model(model, hf_fixture):
-  prompt = [int(x) for x in hf_fixture["inputs"][0, :8]]
-  out = gen.generate(model, [prompt], max_new_tokens=4, stop_tokens=[])
-  tokens = np.asarray(out.tokens[0])
-  assert len(tokens) == 4 and ((0 <= tokens) & (tokens < 512)).all()
+def test_static_kv_cache_matches_float64_reference(static_kv_model, static_kv, layout, hf_config,
+                                                   hf_fixture):
+  """kv_cache_quant_algo FP8 loads as the static FP8 KV cache by default: each layer's k_scale /
+  v_scale become replicated scalars in the model state, and attention reads K and V as
+  e4m3(clip(x / scale)) * scale, which the float64 reference applies alike."""
+  _, ref, input_scales = layout
+  scales = static_kv[1]
+  qc = static_kv_model.config.quant
+  assert (qc.activations, qc.kv_cache) == ("static_per_tensor", "fp8_static")
+  p = flat_params(static_kv_model)
+  for i in range(hf_config["num_hidden_layers"]):
+    for kind in "kv":
+      got = p[("layers", i, "attn", f"{kind}_cache_scale")]
+      assert got.shape == () and got == scales[kind][i], (i, kind, got)
+  inputs = hf_fixture["inputs"]
+  act = static_act(input_scales)
+  want = np_forward(hf_config, ref, inputs, act=act,
+                    kv=lambda x, kind, i: fake_quant(x, scales[kind][i]))
+  rel, top1 = _agreement(np.asarray(static_kv_model(jnp.asarray(inputs)).logits), want)
+  assert rel < 1e-3 and top1 >= 0.98, (rel, top1)  # observed 2e-7 and 1.0
+  # The scales are really used: unquantized or per-token-quantized K/V are much further away
+  # (observed 7.8e-2 and 8.7e-2).
+  for other in (np_forward(hf_config, ref, inputs, act=act),
+                np_forward(hf_config, ref, inputs, act=act, kv=lambda x, *_: row_quant(x))):
+    assert _agreement(other, want)[0] > 10 * rel, (_agreement(other, want)[0], rel)
+
+
+def test_static_kv_cache_has_no_per_token_scales(static_kv_model):
+  from maverick import kv_cache as kvc
+  cache = kvc.KVCache.init(static_kv_model.config, 2, 16)
+  assert cache.k_scale is None and cache.v_scale is None and not cache.quantized
+  assert {x.dtype for x in cache.k + cache.v} == {jnp.dtype(jnp.float8_e4m3fn)}
+  # K and V per layer, and the lengths: nothing else
+  assert len(jax.tree.leaves(cache)) == 2 * static_kv_model.config.num_hidden_layers + 1
 
 
 @pytest.mark.slow
-def test_spec_generate_modelopt_target_nvidia_head_is_lossless(model, tmp_path):
-  """The record pair in miniature: the ModelOpt FP8 target (static activation scales, FP8 KV
-  scales) imported from NVIDIA's layout + an EAGLE-3 head in NVIDIA's layout (full vocabulary, no
-  d2t, no embed_tokens, bfloat16 as shipped): speculative greedy output == plain greedy output.
+def test_static_kv_scales_survive_convert_and_load(tmp_path, static_kv_dir, static_kv_model,
+                                                   hf_fixture):
+  out = convert_hf_to_orbax(str(static_kv_dir), str(tmp_path / "conv"), dtype="float32",
+                            progress=False)
+  loaded = load_orbax(out)
+  assert loaded.config.quant.kv_cache == "fp8_static"
+  assert_same_params(loaded, static_kv_model)
+  inputs = jnp.asarray(hf_fixture["inputs"][:, :5])
+  np.testing.assert_array_equal(np.asarray(loaded(inputs).logits),
+                                np.asarray(static_kv_model(inputs).logits))
+
+
+@pytest.mark.slow
+def test_generate_with_imported_model(static_kv_model, hf_fixture):
+  """The jitted generate loop over the static FP8 KV cache: greedy tokens equal recomputing the
+  whole sequence at each step."""
+  prompt = [int(x) for x in hf_fixture["inputs"][0, :8]]
+  tokens = gen.generate(static_kv_model, [prompt], max_new_tokens=4, stop_tokens=[]).tokens[0]
+  seq = list(prompt)
+  for _ in range(4):
+    seq.append(int(np.argmax(np.asarray(static_kv_model(jnp.asarray([seq])).logits)[0, -1])))
+  assert list(tokens) == seq[len(prompt):]
+
+
+@pytest.mark.slow
+def test_spec_generate_modelopt_target_nvidia_head_is_lossless(static_kv_model, tmp_path):
+  """The record pair in miniature: the ModelOpt FP8 target (static activation scales, static FP8
+  KV cache: the defaults) imported from NVIDIA's layout + an EAGLE-3 head in NVIDIA's layout (full
+  vocabulary, no d2t, no embed_tokens, bfloat16 as shipped): speculative greedy output == plain
+  greedy output (verification and rollback over the static FP8 cache; the dynamic one is covered
+  by tests/test_spec_lossless.py and tests/test_tree.py).
   One case only: a speculative program takes ~1 min to compile on the CI machine."""
   import spec_decode
   from nvidia_eagle3_fixture import write_head
   from spec_decode import speculative as spec
   write_head(tmp_path / "head", seed=3, prefix="midlayer.")
+  model = static_kv_model
   draft = spec_decode.load_draft(str(tmp_path / "head"), model)
   assert draft.lm_head.get_value().dtype == jnp.bfloat16
   rng = np.random.default_rng(5)
@@ -288,13 +405,15 @@ def test_multimodal_layout_and_cli_conversion(tmp_path, hf_config, layout, model
          "tie_word_embeddings": False, "text_config": hf_config,
          "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 32}}
   src = write_checkpoint(tmp_path / "hf", cfg, t, _quant_config(MM_EXCLUDE))
-  direct = maverick.load(str(src), dtype="float32").model  # --checkpoint <HF dir>
+  # --checkpoint <HF dir> --kv_cache=fp8: the dynamic KV cache, as the `model` fixture
+  direct = maverick.load(str(src), dtype="float32", kv_cache="fp8").model
   assert_same_params(direct, model)
   out = tmp_path / "out"
-  r = _cli(f"--hf_dir={src}", f"--out_dir={out}", "--dtype=float32")
+  r = _cli(f"--hf_dir={src}", f"--out_dir={out}", "--dtype=float32", "--kv_cache=fp8")
   assert r.returncode == 0, r.stderr
   meta = json.loads((out / "maverick.json").read_text())
   assert meta["config"]["quant"]["activations"] == "static_per_tensor"
+  assert meta["config"]["quant"]["kv_cache"] == "fp8"
   converted = maverick.load(str(out)).model  # what --checkpoint <out_dir> does
   assert_same_params(converted, model)
   inputs = jnp.asarray(hf_fixture["inputs"])
@@ -304,22 +423,28 @@ def test_multimodal_layout_and_cli_conversion(tmp_path, hf_config, layout, model
 
 def test_convert_dynamic_option(tmp_path, ckpt_dir, hf_fixture_dir):
   out = convert_hf_to_orbax(str(ckpt_dir), str(tmp_path / "conv"), dtype="float32",
-                            progress=False, activations="dynamic_per_token")
-  assert load_orbax(out).config.quant.activations == "dynamic_per_token"
-  with pytest.raises(CheckpointError, match="not one"):  # a BF16 checkpoint has no such choice
-    load_hf(str(hf_fixture_dir), activations="dynamic_per_token")
+                            progress=False, activations="dynamic_per_token", kv_cache="fp8")
+  qc = load_orbax(out).config.quant
+  assert (qc.activations, qc.kv_cache) == ("dynamic_per_token", "fp8")
+  assert not any(k[-1].endswith("cache_scale") for k in flat_params(load_orbax(out)))
+  for kw in (dict(activations="dynamic_per_token"), dict(kv_cache="fp8")):
+    with pytest.raises(CheckpointError, match="not one"):  # a BF16 checkpoint has no such choice
+      load_hf(str(hf_fixture_dir), **kw)
 
 
 def test_kv_scales_are_checked_not_used(tmp_path, layout, hf_config, model):
-  """The FP8 KV cache keeps its dynamic per-token scales: other k/v scales give the same model;
-  without kv_cache_quant_algo (and k/v scales) the KV cache stays unquantized."""
+  """kv_cache="fp8" keeps the dynamic per-token scales: other k/v scales give the same model;
+  without kv_cache_quant_algo (and k/v scales) the KV cache stays unquantized, and the static
+  mode is refused with the way out."""
   t = dict(layout[0])
   t["model.layers.2.self_attn.k_proj.k_scale"] = np.array(5.0, np.float32)
   d = write_checkpoint(tmp_path / "a", hf_config, t, _quant_config(EXCLUDE))
-  assert_same_params(load_hf(str(d), dtype="float32"), model)
+  assert_same_params(load_hf(str(d), dtype="float32", kv_cache="fp8"), model)
   t = {k: v for k, v in layout[0].items() if not k.endswith(("k_scale", "v_scale"))}
   d = write_checkpoint(tmp_path / "b", hf_config, t, _quant_config(EXCLUDE, kv=None))
   assert load_hf(str(d), dtype="float32").config.quant.kv_cache is None
+  with pytest.raises(CheckpointError, match="sets no kv_cache_quant_algo FP8; use kv_cache 'fp8'"):
+    load_hf(str(d), kv_cache="fp8_static")
 
 
 def _kv_scale_without_kv_algo(t, h, c):
@@ -384,6 +509,10 @@ def _kv_scale_shape(t, h, c):
   t["model.layers.4.self_attn.k_proj.k_scale"] = np.ones((2,), np.float32)
 
 
+def _kv_scale_missing(t, h, c):
+  del t["model.layers.5.self_attn.v_proj.v_scale"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mutate,words", [
     (_missing_weight_scale, [Q + "weight", Q + "weight_scale", "missing"]),
@@ -397,11 +526,12 @@ def _kv_scale_shape(t, h, c):
     (_zero_weight_scale, [Q + "weight_scale", "is 0.0", "> 0"]),
     (_disagree, ["hf_quant_config.json", "disagree"]),
     (_kv_scale_shape, ["model.layers.4.self_attn.k_proj.k_scale", "[2]"]),
+    (_kv_scale_missing, ["model.layers.5.self_attn.v_proj.v_scale", "missing", "kv_cache='fp8'"]),
     (_kv_scale_without_kv_algo, ["model.layers.0.self_attn.k_proj.k_scale",
                                  "kv_cache_quant_algo"]),
 ], ids=["weight_scale_missing", "input_scale_missing", "per_channel_scale", "nvfp4",
         "excluded_fp8", "unexcluded_bf16", "zero_input_scale", "zero_weight_scale", "configs_disagree",
-        "kv_scale_shape", "kv_scale_without_kv_algo"])
+        "kv_scale_shape", "kv_scale_missing", "kv_scale_without_kv_algo"])
 def test_bad_modelopt_checkpoints(tmp_path, layout, hf_config, mutate, words):
   t = dict(layout[0])
   h = json.loads(json.dumps(_quant_config(EXCLUDE)))

@@ -57,6 +57,27 @@ def test_fp8_weights_take_a_byte_plus_scales():
   assert 0 < scales < 0.1 * quantized_bf16  # one f32 per output channel
 
 
+@pytest.mark.slow
+def test_kv_cache_formats_counted_by_hand():
+  """Per-device KV bytes: the model dtype (bf16) 2 bytes a value; "fp8" 1 byte plus an f32 scale
+  per token and KV head; "fp8_static" (ModelOpt k/v scales) 1 byte and no per-token scales, its
+  two f32 scalars per layer counted with the weights."""
+  cfg = config_lib.tiny(dtype="bfloat16")
+  plan = sharding.Plan(sharding.make_mesh(data=2, tensor=2, devices=jax.devices()[:4]), "tp")
+  B, S = 4, 128
+  L, K, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+  r = {kv: memory_plan.plan_decode_step(cfg, plan, batch=B, context=S, quant="fp8-modelopt",
+                                        kv_cache=kv) for kv in (None, "fp8", "fp8_static")}
+  rows, heads = B // 2, K // 2  # rows over data=2, KV heads over tensor=2
+  values = 2 * L * rows * S * heads * Dh  # K and V, every layer
+  lengths = rows * 4
+  assert r[None].kv_bytes == 2 * values + lengths
+  assert r["fp8"].kv_bytes == values + 2 * L * rows * S * heads * 4 + lengths
+  assert r["fp8_static"].kv_bytes == values + lengths
+  assert r["fp8_static"].weight_bytes == r[None].weight_bytes + 2 * L * 4
+  assert r["fp8"].weight_bytes == r[None].weight_bytes
+
+
 def _run(*args):
   env = single_device_env()
   return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True,

@@ -190,6 +190,55 @@ def test_fp8_kv_cache_decode_matches_bf16_cache():
 
 
 @pytest.mark.slow
+def test_static_fp8_kv_cache_no_scale_arrays_and_cache_equals_recompute():
+  """kv_cache="fp8_static": e4m3 K/V quantized with each layer's scalar scales, no per-token scale
+  arrays; layer 0's cache (same inputs as the f32 model's) is exactly the float64 fake-quantized
+  keys and values; prefill then decode equals one forward, which reads K/V quantized too.
+  Dense layers only, no activation quantization: a rounding flip of one e4m3 value (f32 noise
+  between the two paths) then moves the logits by ~1e-4, not through a router."""
+  import ml_dtypes
+  cfg = config_lib.tiny("float32")  # 4 of its layers: chunked RoPE ones and a global NoPE one
+  cfg = cfg.replace(moe_layers=(), num_hidden_layers=4, no_rope_layers=cfg.no_rope_layers[:4],
+                    layer_types=cfg.layer_types[:4])
+  f32 = model_lib.init_model(cfg, seed=1)
+  toks = _tokens(2, 36, seed=5)
+  ref_cache = f32(toks, cache=kvc.KVCache.init(cfg, 2, 36)).cache
+  qc = quant.QuantConfig(weights=None, kv_cache="fp8_static")
+  model = model_lib.init_model(cfg.replace(quant=qc), seed=1)
+  scales = {}
+  for i, layer in enumerate(model.layers):  # 2 x max / 448: per layer, and no clipping
+    for kind, ref in (("k", ref_cache.k[i]), ("v", ref_cache.v[i])):
+      scales[kind, i] = np.float32(2 * np.abs(np.asarray(ref)).max() / 448)
+      getattr(layer.attn, f"{kind}_cache_scale")[...] = jnp.asarray(scales[kind, i])
+  full = np.asarray(model(toks).logits)
+  cache = kvc.KVCache.init(model.config, 2, 36)
+  assert cache.k_scale is None and cache.v_scale is None and not cache.quantized
+  assert len(jax.tree.leaves(cache)) == 2 * cfg.num_hidden_layers + 1  # K, V, lengths only
+  split = nnx.split(model)  # jitted: 23 eager decode steps take 20 s on CPU
+  out = model_lib.apply(*split, toks[:, :13], cache=cache, prefill=True)
+  logits, cache = [out.logits], out.cache
+  for t in range(13, 36):
+    out = model_lib.apply(*split, toks[:, t:t + 1], cache=cache)
+    logits.append(out.logits)
+    cache = out.cache
+  assert cache.k[0].dtype == jnp.float8_e4m3fn and cache.k_scale is None
+  for kind, got, ref in (("k", cache.k[0], ref_cache.k[0]), ("v", cache.v[0], ref_cache.v[0])):
+    s = np.float64(scales[kind, 0])
+    want = np.clip(np.asarray(ref, np.float64) / s, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+  rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
+  got = np.asarray(jnp.concatenate(logits, 1))
+  assert rel(got, full) < 2e-3, rel(got, full)  # observed 5e-6
+  # ... while the unquantized model is 6e-2 away: the K/V quantization is really on.
+  assert rel(np.asarray(f32(toks).logits), full) > 2e-2
+
+
+def test_static_fp8_kv_cache_is_not_made_from_bf16(f32_model):
+  with pytest.raises(quant.QuantError, match="calibrated per-layer K/V scales"):
+    quant.quantize_model(f32_model, quant.QuantConfig(kv_cache="fp8_static"))
+
+
+@pytest.mark.slow
 def test_generate_with_fp8_everything_is_one_executable(f32_model):
   fp8 = quant.quantize_model(f32_model, quant.QuantConfig(kv_cache="fp8"))
   prompts = [[5, 6, 7, 8], [9, 10]]

@@ -14,8 +14,9 @@ quant_utils.py) and TensorRT-LLM / vLLM / SGLang read it:
     (one scalar for all experts, gate and up share it), `experts.down_proj` [E, F, D] with
     `down_proj_weight_scale` / `down_proj_input_scale`.
   * `self_attn.k_proj.k_scale` / `v_proj.v_scale`: static KV-cache scales (amax / 448, clamped to
-    >= 1 by the exporter). Maverick's FP8 KV cache keeps its dynamic per-token-and-head scales
-    (at least as precise), so these are validated and not used.
+    >= 1 by the exporter). By default they become the per-layer scalars of the "fp8_static" KV
+    cache (as TensorRT-LLM and vLLM run them: no per-token scale arrays); `kv_cache="fp8"` keeps
+    the dynamic per-token-and-head scales instead, and the checkpoint's are validated and dropped.
   * Modules matching an `exclude_modules` wildcard (router, lm_head, vision tower, ...) stay BF16.
 A per-tensor scale becomes our per-output-channel scale broadcast (exact). Everything is checked
 from the headers before any data is read; each mismatch is one CheckpointError naming the tensor.
@@ -196,16 +197,20 @@ def _positive(name: str, x: np.ndarray) -> np.float32:
 
 
 def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, mo: ModelOptConfig, *,
-         activations: str | None = None) -> tuple[config_lib.Config, list[hf_fp8.Item]]:
+         activations: str | None = None, kv_cache: str | None = None
+         ) -> tuple[config_lib.Config, list[hf_fp8.Item]]:
   """Validates a ModelOpt FP8 checkpoint from its headers; returns (config with the derived
   `quant`, read plan). activations: "static_per_tensor" (default: the checkpoint's calibrated
   input scales, as TensorRT-LLM / vLLM run it), or "dynamic_per_token" / "none" (input scales
-  are validated, then dropped)."""
+  are validated, then dropped). kv_cache: "fp8_static" (default when the checkpoint sets
+  kv_cache_quant_algo FP8: its k_scale / v_scale per layer) or "fp8" (per-token scales computed
+  at run time; the checkpoint's are validated, then dropped)."""
   _check_algos(mo)
   activations = activations or "static_per_tensor"
   if activations not in quant_config.ACTIVATION_MODES:
     raise CheckpointError(
         f"activations {activations!r}: use one of {quant_config.ACTIVATION_MODES}")
+  kv_cache = _kv_cache_mode(mo, kv_cache)
   static = activations == "static_per_tensor"
   dtype = jnp.dtype(cfg.dtype)
   st = hf_fp8._Stored(ckpt)
@@ -270,7 +275,7 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, mo: ModelOptCon
     more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
     raise CheckpointError(f"missing tensor(s) {sorted(missing)[:5]}{more} in {ckpt.directory}: "
                           "the checkpoint does not match its config.json")
-  items.extend(_kv_scale_items(st, cfg, mo))
+  items.extend(_kv_scale_items(st, cfg, mo, static=kv_cache == "fp8_static"))
   extra = sorted(st.names[c] for c in set(st.names) - st.used)
   if extra:
     orphan = [n for n in extra if n.endswith(("weight_scale", "input_scale"))]
@@ -283,7 +288,7 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, mo: ModelOptCon
   if fp8_paths:
     quant = quant_config.QuantConfig(
         weights="fp8", activations=activations,
-        kv_cache="fp8" if mo.kv_cache_quant_algo == "FP8" else None,
+        kv_cache=kv_cache,
         skip=hf_fp8._skip_list(names, fp8_paths))
     declared = {p for p, n in names.items() if quant.quantizes(n)}
     assert declared == fp8_paths, (sorted(declared ^ fp8_paths)[:5], quant.skip)
@@ -292,21 +297,46 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, mo: ModelOptCon
   return cfg.replace(quant=quant), items
 
 
-def _kv_scale_items(st: hf_fp8._Stored, cfg, mo: ModelOptConfig) -> list[hf_fp8.Item]:
-  """k_scale / v_scale: checked (scalar, finite, > 0) and not kept: the FP8 KV cache scales each
-  token and kv head dynamically instead of with one calibrated (>= 1.0 clamped) scalar."""
+def _kv_cache_mode(mo: ModelOptConfig, kv_cache: str | None) -> str | None:
+  """The KV-cache format to run: the checkpoint's static scales by default, or the choice."""
+  if kv_cache is None:
+    return "fp8_static" if mo.kv_cache_quant_algo == "FP8" else None
+  if kv_cache not in quant_config.KV_FORMATS:
+    raise CheckpointError(f"kv_cache {kv_cache!r}: use one of {quant_config.KV_FORMATS}")
+  if kv_cache == "fp8_static" and mo.kv_cache_quant_algo != "FP8":
+    raise CheckpointError(f"kv_cache 'fp8_static' needs the checkpoint's k_scale / v_scale, but "
+                          f"{mo.source} sets no kv_cache_quant_algo FP8; use kv_cache 'fp8' "
+                          "(per-token scales at run time)")
+  return kv_cache
+
+
+def _kv_scale_items(st: hf_fp8._Stored, cfg, mo: ModelOptConfig, *, static: bool
+                    ) -> list[hf_fp8.Item]:
+  """k_scale / v_scale: checked (scalar, finite, > 0); with `static` each layer's pair becomes its
+  attention's k_cache_scale / v_cache_scale (every layer needs both), else they are dropped."""
   items = []
   for i in range(cfg.num_hidden_layers):
-    for proj, kind in (("k_proj", "k_scale"), ("v_proj", "v_scale")):
+    reads, targets = [], []
+    for proj, kind, param in (("k_proj", "k_scale", model_lib.KV_CACHE_SCALES[0]),
+                              ("v_proj", "v_scale", model_lib.KV_CACHE_SCALES[1])):
       name = f"model.layers.{i}.self_attn.{proj}.{kind}"
       if not st.has(name):
+        if static:
+          raise CheckpointError(
+              f"the static FP8 KV cache needs {name} (kv_cache_quant_algo FP8 in {mo.source}), "
+              "which is missing; pass kv_cache='fp8' (--kv_cache=fp8) for per-token scales")
         continue
       if mo.kv_cache_quant_algo != "FP8":
         raise CheckpointError(f"tensor {st.names[name]} is a KV-cache scale but {mo.source} "
                               "sets no kv_cache_quant_algo FP8")
-      stored = _check_scalar(st, name, kind)
-      items.append(hf_fp8.Item(("layers", i, "attn", "k"), (stored,),
-                               lambda raw, n=stored: (_positive(n, raw[n]), {})[1]))
+      reads.append(_check_scalar(st, name, kind))
+      targets.append(("layers", i, "attn", param))
+
+    def build(raw, reads=tuple(reads), targets=tuple(targets)):
+      values = {t: np.asarray(_positive(n, raw[n]), np.float32) for n, t in zip(reads, targets)}
+      return values if static else {}
+    if reads:
+      items.append(hf_fp8.Item(("layers", i, "attn", "k"), tuple(reads), build))
   return items
 
 

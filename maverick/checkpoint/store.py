@@ -196,19 +196,22 @@ def _hf_parts(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, dtype, pro
 
 def convert_hf_to_orbax(hf_dir: str, out_dir: str, *, dtype: str | None = None,
                         overwrite: bool = False, progress: bool = True,
-                        check_finite: bool = True, activations: str | None = None) -> str:
+                        check_finite: bool = True, activations: str | None = None,
+                        kv_cache: str | None = None) -> str:
   """Converts a HF Llama 4 checkpoint directory (single or sharded safetensors) to our format.
 
   Names, shapes and dtypes are all checked from the headers before anything is written; each
   tensor is checked for NaN/inf as it streams through (`check_finite=False` skips that).
   activations: for a ModelOpt FP8 checkpoint, "static_per_tensor" (default: its calibrated input
   scales) or "dynamic_per_token" (see hf_modelopt.plan); other checkpoints refuse it.
+  kv_cache: likewise, "fp8_static" (default with kv_cache_quant_algo FP8: its k/v scales) or "fp8"
+  (per-token scales at run time).
   """
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
-  mo = _modelopt(hf_dir, ckpt, activations)
+  mo = _modelopt(hf_dir, ckpt, activations, kv_cache)
   if mo is not None:
-    cfg, items = hf_modelopt.plan(ckpt, cfg, mo, activations=activations)
+    cfg, items = hf_modelopt.plan(ckpt, cfg, mo, activations=activations, kv_cache=kv_cache)
     parts = hf_fp8.iter_parts(ckpt, items, progress=progress, place=host_array)
   elif hf_fp8.is_fp8(ckpt):  # kept in FP8; the derived quant config is recorded in maverick.json
     cfg, items = hf_fp8.plan(ckpt, cfg, hf_dir)
@@ -328,30 +331,33 @@ def iter_orbax_parts(path: str, cfg: config_lib.Config | None = None):
     ckptr.close()
 
 
-def _modelopt(hf_dir: str, ckpt: hf.SafetensorsCheckpoint, activations: str | None):
+def _modelopt(hf_dir: str, ckpt: hf.SafetensorsCheckpoint, activations: str | None,
+              kv_cache: str | None = None):
   mo = hf_modelopt.detect(hf_dir)
   if mo is None:
     hf_modelopt.check_unconfigured(ckpt, hf_dir)
-  if mo is None and activations is not None:
-    raise hf.CheckpointError(f"activations={activations!r} applies to ModelOpt FP8 checkpoints; "
-                             f"{hf_dir} is not one")
+  for name, value in (("activations", activations), ("kv_cache", kv_cache)):
+    if mo is None and value is not None:
+      raise hf.CheckpointError(f"{name}={value!r} applies to ModelOpt FP8 checkpoints; "
+                               f"{hf_dir} is not one")
   return mo
 
 
 def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles",
-            check_finite: bool = True, activations: str | None = None, mesh=None,
-            layout: str = "tp") -> model_lib.Llama4:
+            check_finite: bool = True, activations: str | None = None,
+            kv_cache: str | None = None, mesh=None, layout: str = "tp") -> model_lib.Llama4:
   """Loads a HF checkpoint directly (no conversion), one tensor at a time; each tensor is checked
-  for NaN/inf (`check_finite=False` skips that). `activations`: see convert_hf_to_orbax.
+  for NaN/inf (`check_finite=False` skips that). `activations`, `kv_cache`: see
+  convert_hf_to_orbax.
 
   mesh: each tensor goes straight into its `layout` sharding on the mesh (every device receives
   only its slice; the host holds one tensor at a time) and the model carries the plan. Without a
   mesh the model is on the default device."""
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
-  mo = _modelopt(hf_dir, ckpt, activations)
+  mo = _modelopt(hf_dir, ckpt, activations, kv_cache)
   if mo is not None:
-    cfg, items = hf_modelopt.plan(ckpt, cfg, mo, activations=activations)
+    cfg, items = hf_modelopt.plan(ckpt, cfg, mo, activations=activations, kv_cache=kv_cache)
     params = hf_fp8.iter_params(ckpt, items)
   elif hf_fp8.is_fp8(ckpt):
     cfg, items = hf_fp8.plan(ckpt, cfg, hf_dir)

@@ -15,7 +15,10 @@ from typing import Any
 
 WEIGHT_FORMATS = ("fp8",)
 ACTIVATION_MODES = ("none", "dynamic_per_token", "static_per_tensor")
-KV_FORMATS = ("fp8",)
+# "fp8": e4m3 with a scale per token and kv head, computed as entries are written (dynamic);
+# "fp8_static": e4m3 with one calibrated scale per layer for K and one for V (ModelOpt's k_scale /
+# v_scale, as TensorRT-LLM and vLLM run them), no per-token scale arrays in the cache.
+KV_FORMATS = ("fp8", "fp8_static")
 DEFAULT_SKIP = ("embed", "lm_head", "router")
 
 
@@ -31,7 +34,10 @@ class QuantConfig:
   with one calibrated scale stored next to its weight as `{weight}_input_scale`, as NVIDIA ModelOpt
   FP8 checkpoints do; such a model comes from a checkpoint, never from `quantize_model`) or "none"
   (weight-only: bf16 activations times FP8 weights).
-  kv_cache: "fp8" (e4m3 with a scale per token and kv head) or None.
+  kv_cache: "fp8" (e4m3 with a scale per token and kv head, computed at run time), "fp8_static"
+  (e4m3 with one scalar scale per layer for K and one for V, stored as the attention's
+  `k_cache_scale` / `v_cache_scale`; such a model comes from a ModelOpt checkpoint, never from
+  `quantize_model`) or None.
   activation_scale_ub: optional upper bound on a row's max |x| before scaling (fbgemm uses 1200).
   """
 
@@ -73,6 +79,11 @@ class QuantConfig:
   @property
   def static_activations(self) -> bool:
     return self.weights is not None and self.activations == "static_per_tensor"
+
+  @property
+  def static_kv(self) -> bool:
+    """FP8 KV cache with per-layer calibrated scalar scales (no per-token scale arrays)."""
+    return self.kv_cache == "fp8_static"
 
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)

@@ -80,6 +80,10 @@ def _refuse_static(quant: QuantConfig) -> None:
     raise QuantError("activations 'static_per_tensor' need calibrated input scales, which "
                      "quantization from BF16 does not compute; use 'dynamic_per_token' (or load "
                      "a ModelOpt FP8 checkpoint, which carries its scales)")
+  if quant.static_kv:
+    raise QuantError("kv_cache 'fp8_static' needs calibrated per-layer K/V scales, which "
+                     "quantization from BF16 does not compute; use kv_cache 'fp8' (per-token "
+                     "scales at run time) or load a ModelOpt FP8 checkpoint, which carries them")
 
 
 def _dotted(path) -> str:
@@ -120,6 +124,8 @@ def dequantize_model(model: model_lib.Llama4, dtype: str | None = None, *,
       continue
     elif p[-1].endswith("_input_scale") and p[:-1] + (p[-1][:-len("_input_scale")],) in fp8:
       continue  # static activation scales: dropped with the quantization
+    elif p[-1] in model_lib.KV_CACHE_SCALES:
+      continue  # static KV-cache scales: likewise
     else:
       arrays[p] = x.astype(new_cfg.dtype)
   return _assemble(new_cfg, arrays, impl)
