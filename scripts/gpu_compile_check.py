@@ -159,8 +159,15 @@ def whole_buffer_moves(hlo_text: str, dims: tuple[int, ...], dtypes: tuple[str, 
   is not a move, nor is materializing a broadcast or constant (a cache's zeros, once)."""
   want = sorted(dims)
   moves = []
+  fused = False  # inside a fusion's computation: its fusion instruction is the one counted
   for line in hlo_text.splitlines():
+    header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if header:
+      fused = header.group(2).startswith(("fused_", "wrapped_"))
+      continue
     m = _INSTR.match(line)
+    if fused:
+      continue
     if not m or m.group(2) not in dtypes:
       continue
     shape = [int(d) for d in m.group(3).split(",") if d]

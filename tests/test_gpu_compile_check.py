@@ -1,0 +1,97 @@
+"""scripts/gpu_compile_check.py's readers of XLA:GPU output, on small hand-written samples of the
+formats it reads (compiled HLO text, thunk sequence dumps, ptxas -v lines). The compiles
+themselves need jax's CUDA plugin (`bash tools/setup.sh cuda12`) and run from the script; their
+report is in the README ("GPU programs compiled without a GPU")."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+  spec = importlib.util.spec_from_file_location("gpu_compile_check",
+                                                ROOT / "scripts" / "gpu_compile_check.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+# Shapes as XLA:GPU printed them for a 2-layer Maverick TP8 decode step (cache 8 x 4096 per shard).
+HLO = """
+%wrapped_transpose_computation (param_0.1010: bf16[8,4096,1,128]) -> bf16[8,1,128,4096] {
+  %param_0.1010 = bf16[8,4096,1,128]{3,2,1,0} parameter(0)
+  ROOT %transpose.130.1 = bf16[8,1,128,4096]{3,2,1,0} transpose(%param_0.1010), dimensions={0,2,3,1}
+}
+ENTRY %main {
+  %param.16 = bf16[8,4096,1,128]{3,2,1,0} parameter(16)
+  %wrapped_transpose = bf16[8,1,128,4096]{3,2,1,0} fusion(%param.16), kind=kInput, calls=%wrapped_transpose_computation
+  %input_scatter_fusion.1 = bf16[8,1,128,4096]{3,2,1,0} fusion(%wrapped_transpose, %param.20), kind=kInput, calls=%fused_scatter.1
+  %wrapped_transpose.2 = bf16[8,4096,1,128]{3,2,1,0} fusion(%input_scatter_fusion.1), kind=kInput, calls=%wrapped_transpose_computation.2
+  %copy.172 = bf16[8,1,128,4096]{3,2,1,0} copy(%broadcast.1570.1)
+  %copy.9 = bf16[8,4096,1,64]{3,2,1,0} copy(%param.3)
+  %copy.10 = f32[8,4096,1,128]{3,2,1,0} copy(%param.4)
+  %dynamic-update-slice.3 = bf16[8,4096,1,128]{3,2,1,0} dynamic-update-slice(%param.16, %x, %i, %j, %k, %l)
+}
+"""
+
+
+def test_whole_kv_moves_are_copies_or_transposes_of_a_whole_shard():
+  g = _load()
+  moves = g.whole_buffer_moves(HLO, (8, 4096, 1, 128), ("bf16",))
+  # The transpose into the dot's layout (any order of the dims) and the one back, each once (the
+  # fusion, not again the transpose inside its computation). Not: a broadcast materialized once,
+  # another shape, another dtype, an in-place update.
+  assert moves == ["wrapped_transpose (fusion)", "wrapped_transpose.2 (fusion)"], moves
+  assert g.whole_buffer_moves(HLO, (8, 4096, 1, 128), ("f8e4m3fn",)) == []
+
+
+THUNKS_ON = """000: kCommandBuffer [source | sink]
+    001: kCopy  [source       | next=003 (2)] kCopy
+    003: kWhile [prev=002 (1) | sink        ]
+condition:
+        004: kCustomKernel [source | sink] loop_compare_fusion
+      body:
+        005: kCustomKernel [source       | sink        ] loop_add_fusion
+006: kCopy [source | sink] kCopy
+"""
+THUNKS_OFF = """001: kCopy  [source       | next=003 (2)] kCopy
+003: kWhile [prev=002 (1) | sink        ]
+condition:
+    004: kCustomKernel [source | sink] loop_compare_fusion
+  body:
+    005: kWhile [source | sink]
+      006: kHostSend [source | sink]
+"""
+
+
+def test_loop_placement_in_thunk_sequences():
+  g = _load()
+  assert g.loop_placement(THUNKS_ON) == {"while_in_command_buffer": 1, "while_host_driven": 0,
+                                         "host_transfers": 0}
+  assert g.loop_placement(THUNKS_OFF) == {"while_in_command_buffer": 0, "while_host_driven": 2,
+                                          "host_transfers": 1}
+
+
+def test_ptxas_summary():
+  g = _load()
+  text = """ptxas info    : Compiling entry function 'mosaic_gpu_kernel_0' for 'sm_90a'
+ptxas info    : Function properties for mosaic_gpu_kernel_0
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+ptxas info    : Function properties for mosaic_gpu_kernel_1
+    8 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads
+ptxas info    : Used 255 registers
+"""
+  assert g.ptxas_summary(text) == {"ptxas_kernels": 2, "max_registers": 255,
+                                   "spill_store_bytes": 24}
+
+
+def test_flags_are_checked():
+  g = _load()
+  for bad in (["--gpus", "a100"], ["--checks", "prefill"], ["--kernels", "triton"],
+              ["--context", "0"]):
+    with pytest.raises(SystemExit):
+      g._parse(bad)
