@@ -98,7 +98,7 @@ def test_cache_decode_equals_recompute_fixture(fixture_model, hf_fixture):
   cached = _cached_logits(fixture_model, rows, prompt_lens, steps, capacity=64)
   ref = _recompute_logits(fixture_model, rows)
   for c, r in zip(cached, ref):
-    np.testing.assert_allclose(c, r[:len(c)], atol=1e-5, rtol=0)
+    _assert_close_f32(c, r[:len(c)])  # a flat atol of 1e-5 sat within 2x of the 5.7e-6 measured
     assert len(c) == len(r)
 
 
