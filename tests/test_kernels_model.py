@@ -181,9 +181,10 @@ def test_fp8_model_kernels_agree_with_xla():
   """Whole FP8 model, prefill. e4m3 keeps 3 mantissa bits, so the rare bf16 rounding difference
   between the paths (attention, summation order) becomes a whole quantization step in the next
   layer's input and compounds: two correct FP8 paths differ about as much as either differs
-  from the bf16 model (~15-20 % relative on this random-weight model). Agreement metric: the
-  kernel path is as close to the bf16 model as the XLA path is. Two layers (dense, then MoE)
-  reach every FP8 kernel."""
+  from the bf16 model (~12 % relative per position on this random-weight model). Agreement
+  metric: the kernel path is as close to the bf16 model as the XLA path is, position by position
+  (`_agree`; a flat 1.25x bound on the whole-batch error sat within 1.4x of the 0.92x measured).
+  Two layers (dense, then MoE) reach every FP8 kernel."""
   bf16 = model_lib.init_model(aligned_config(num_layers=2), seed=0)
   fp8 = quant.quantize_model(bf16, quant.QuantConfig())
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 512, (2, 40)), jnp.int32)
@@ -193,9 +194,10 @@ def test_fp8_model_kernels_agree_with_xla():
   with pallas_kernels.interpret(detect_races=False):
     kernels_lib.set_kernels(fp8, "pallas")
     (pallas,) = _prefill(fp8, tokens)
-  err = lambda a: np.linalg.norm(a - ref) / np.linalg.norm(ref)
+  _agree(pallas, xla, ref)
+  typical, _, _ = _path_stats(pallas, xla, ref)
+  assert typical["XLA"][0] < 0.3, typical  # FP8 itself: median error per position
   top1 = lambda a: np.mean(np.argmax(a, -1) == np.argmax(ref, -1))
-  assert err(xla) < 0.3 and err(pallas) <= 1.25 * err(xla), (err(pallas), err(xla))
   assert top1(pallas) >= top1(xla) - 0.1, (top1(pallas), top1(xla))
 
 
