@@ -4,8 +4,9 @@ Maverick shapes, the XLA path and bad input.
 
 Tolerances: bf16 and e4m3 products are exact in f32, so the kernel's only error is f32
 accumulation order (~K * 2^-24 relative to the row's magnitude) plus the output rounding: f32
-output within 1e-5 of the row's max |value|; bf16 output within 2^-8 of it (one bf16 rounding is
-2^-9 relative; twice that leaves room for the accumulation).
+output within 1e-5 of the row's max |value|; bf16 output within 2^-8 of each value (one bf16
+rounding, worst case: 8 significant bits) plus that 1e-5 of the row for the accumulation. (A
+flat 2^-8 of the row's max left no room: measured up to 0.89 of it.)
 """
 
 
@@ -19,7 +20,8 @@ from pallas_kernels.grouped_gemm import bench, grouped_matmul, grouped_swiglu
 from pallas_kernels.grouped_gemm import schedule as sched_lib
 
 FP8 = jnp.float8_e4m3fn
-TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2.0 ** -8}
+TOL = {jnp.dtype(jnp.float32): 1e-5}
+BF16_EPS = 2.0 ** -8
 
 
 def numpy_grouped_matmul(x, w, group_sizes, x_scale=None, w_scale=None):
@@ -53,8 +55,10 @@ def make_inputs(seed, num_rows, k, n, group_sizes, dtype):
 def assert_rows_close(out, expected, out_dtype, f32_tol=None):
   out = np.asarray(out, np.float64)
   row_max = np.abs(expected).max(axis=1, keepdims=True)
-  rel = TOL[jnp.dtype(out_dtype)] if f32_tol is None or out_dtype != jnp.float32 else f32_tol
-  tol = rel * np.maximum(row_max, 1e-30)
+  if jnp.dtype(out_dtype) == jnp.bfloat16:
+    tol = BF16_EPS * np.abs(expected) + TOL[jnp.dtype(jnp.float32)] * row_max
+  else:
+    tol = (TOL[jnp.dtype(out_dtype)] if f32_tol is None else f32_tol) * np.maximum(row_max, 1e-30)
   bad = np.abs(out - expected) > tol
   assert not bad.any(), (f"{bad.sum()} elements off; worst row "
                          f"{np.argmax(bad.any(axis=1))}, max err {np.abs(out - expected).max()}")

@@ -13,11 +13,12 @@ from pallas_kernels import KernelInputError, common
 from pallas_kernels.prefill_attention import bench, sm90, sm100
 from pallas_kernels.prefill_attention import prefill_attention
 
-# bf16 inputs, bf16 output: the output (a convex combination of unit-normal v, |out| < ~3) is
-# rounded to bf16 (half-ulp 2^-9 relative, <= 8e-3 at |out| < 4) and the probabilities enter P V
-# as bf16 (another ~2^-9 relative on a weighted sum of |v| ~ 1); f32 softmax/accumulation is
-# negligible against that.
-ATOL = 2e-2
+# bf16 inputs, bf16 output. Per element, with p the softmax weights: the probabilities enter P V
+# rounded to bf16 (relative error <= 2^-8 each, so <= 2^-8 * sum_i p_i |v_i| on the output) and
+# the output is rounded to bf16 once (<= 2^-8 |out|); f32 softmax and accumulation add ~1e-6
+# relative (the 1 % slack). A worst case, whatever order the sums run in on whichever CPU (a flat
+# atol of 2e-2 was within 1.5x of the 1.3e-2 measured and below this bound's worst case).
+BF16_EPS = 2.0 ** -8
 
 
 def attention_f64(q, k, v, lengths, chunk_size, sm_scale=None):
@@ -55,7 +56,10 @@ def assert_matches(out, q, k, v, lengths, chunk_size):
   want = attention_f64(q, k, v, lengths, chunk_size)
   got = np.asarray(out, np.float64)
   assert got.shape == want.shape and out.dtype == jnp.bfloat16
-  np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+  weighted_abs_v = attention_f64(q, k, np.abs(np.asarray(v, np.float64)), lengths, chunk_size)
+  bound = BF16_EPS * (weighted_abs_v + np.abs(want)) * 1.01
+  worst = np.max(np.abs(got - want) / np.maximum(bound, np.finfo(np.float64).tiny))
+  assert worst <= 1, f"error up to {worst:.3g}x the bf16 rounding bound"
   for b, n in enumerate(lengths):  # padding rows are exactly 0
     assert not np.any(got[b, int(n):])
 

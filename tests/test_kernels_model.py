@@ -6,9 +6,11 @@ back to XLA, the GEMMs run). Plus the lowering of the whole forward for sm_90: w
 Mosaic GPU kernels.
 
 Tolerance: everything is bf16, so both paths round every activation to bf16 (relative 2^-9) in
-different orders; through a few layers that is ~1e-2 relative, and a near-tie in top-1 routing
-can move a token to another expert. So: relative L2 error of the logits < 3e-2 and greedy (argmax)
-agreement >= 95% of positions.
+different orders, and how a reduction is ordered depends on the host CPU (the same code gave a
+kernels-vs-XLA error of 0.029 on an AVX2 AMD EPYC and 0.033 on an AVX-512 Intel Xeon). So each
+bf16 path is measured against an independent float32 reference (the same bf16 weights in an f32
+model on the XLA path), position by position, and the kernel path is bounded by the XLA path's
+own error (`_agree`). Measured numbers: tests/NUMERICS.md.
 """
 
 import numpy as np
@@ -35,23 +37,68 @@ def aligned_config(num_layers=4):
       no_rope_layers=None, moe_layers=None, layer_types=None, attention_chunk_size=64)
 
 
-def _prefill_then_decode(model, tokens, capacity=128):
-  """Prefill logits [B, T, V] and the next step's logits [B, 1, V] (decode through the cache)."""
+def _prefill_then_decode(model, tokens, capacity=128, decode_rows=8):
+  """Prefill logits [1, T, V] and a decode step's logits [decode_rows, 1, V]: the prefilled
+  cache is repeated into `decode_rows` rows, each fed another of the prompt's tokens (the same
+  ones for every path, not each path's own argmax), so the decode kernels see several rows."""
   graphdef, state = nnx.split(model)
-  B, T = tokens.shape
-  cache = kvc.KVCache.init(model.config, B, capacity)
+  cache = kvc.KVCache.init(model.config, tokens.shape[0], capacity)
   out = model_lib.apply(graphdef, state, tokens, cache=cache, prefill=True)
-  # The same next token for both paths: each path's own argmax can differ at a near-tie, and the
-  # step's logits would then be for different inputs.
-  nxt = tokens[:, :1]
-  step = model_lib.apply(graphdef, state, nxt, cache=out.cache)
+  cache = jax.tree.map(lambda a: jnp.repeat(a, decode_rows, axis=0), out.cache)
+  step = model_lib.apply(graphdef, state, tokens[0, :decode_rows, None], cache=cache)
   return np.asarray(out.logits, np.float32), np.asarray(step.logits, np.float32)
 
 
-def _agree(out, ref):
-  rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-  top1 = np.mean(np.argmax(out, -1) == np.argmax(ref, -1))
-  assert rel < 3e-2 and top1 >= 0.95, (rel, top1)
+# At each position both bf16 paths are off the f32 reference by bf16 rounding noise (~1e-2
+# relative after a few layers). The kernels sum in other orders and round at a few more points
+# (decode attention's bf16 per-split partials), so their median and 90th-percentile errors may
+# each be up to KERNEL_ERR_FACTOR times the XLA path's, plus KERNEL_ERR_FLOOR (measured
+# 0.94-1.06x on AVX2 and AVX-512 hosts, tests/NUMERICS.md); the percentile catches a bug that
+# touches a tenth of the positions. A few positions sit near a top-1 routing tie, and either
+# path may send such a token to another expert (an error 10-30x the typical one; which path and
+# which token depends on the CPU): errors over ROUTING_FLIP times the XLA path's median are
+# counted, not measured, and the kernel path may have at most max(1, 5 % of positions) more of
+# them than the XLA path. Elsewhere its argmax must match the reference's wherever the top two
+# logits are further apart than twice that noise, with the same allowance past the XLA path.
+KERNEL_ERR_FACTOR, KERNEL_ERR_FLOOR = 2.0, 1e-3
+ROUTING_FLIP = 4.0
+EXTRA_POSITIONS = 0.05
+
+
+def _f32_reference(model):
+  """`model`'s weights (bf16 values, exact in f32) in a float32 model on the XLA path."""
+  graphdef, _ = nnx.split(model_lib.abstract_model(model.config.replace(dtype="float32")))
+  upcast = lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  ref = nnx.merge(graphdef, jax.tree.map(upcast, nnx.split(model)[1]))
+  kernels_lib.set_kernels(ref, "xla")
+  return ref
+
+
+def _path_stats(pallas, xla, ref):
+  """Per path: the median and 90th percentile of its per-position relative errors against `ref`,
+  its routing flips (positions beyond the noise) and its argmax misses at decisive positions."""
+  pallas, xla, ref = (a.reshape(-1, a.shape[-1]) for a in (pallas, xla, ref))  # [positions, V]
+  paths = {"kernels": pallas, "XLA": xla}
+  err = {name: np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+         for name, out in paths.items()}
+  typical = {name: np.quantile(e, [0.5, 0.9], method="lower") for name, e in err.items()}
+  noise = ROUTING_FLIP * typical["XLA"][0]
+  top2 = np.sort(ref, -1)[:, -2:]
+  rms = np.linalg.norm(ref, axis=-1) / np.sqrt(ref.shape[-1])  # a logit's noise: noise * rms
+  decisive = top2[:, 1] - top2[:, 0] > 2 * noise * rms
+  flips = {name: int(np.sum(e > noise)) for name, e in err.items()}
+  misses = {name: int(np.sum((np.argmax(out, -1) != np.argmax(ref, -1)) & decisive
+                             & (err[name] <= noise))) for name, out in paths.items()}
+  return typical, flips, misses
+
+
+def _agree(pallas, xla, ref):
+  typical, flips, misses = _path_stats(pallas, xla, ref)
+  extra = max(1, int(np.ceil(EXTRA_POSITIONS * ref[..., 0].size)))
+  msg = f"median and 90th-percentile errors {typical}, flips {flips}, argmax misses {misses}"
+  assert np.all(typical["kernels"] <= KERNEL_ERR_FACTOR * typical["XLA"] + KERNEL_ERR_FLOOR), msg
+  assert flips["kernels"] <= flips["XLA"] + extra, msg
+  assert misses["kernels"] <= misses["XLA"] + extra, msg
 
 
 def _prefill(model, tokens):
@@ -59,13 +106,14 @@ def _prefill(model, tokens):
 
 
 def _compare(model, tokens, run=_prefill_then_decode):
+  reference = run(_f32_reference(model), tokens)
   kernels_lib.set_kernels(model, "xla")
-  ref = run(model, tokens)
+  xla = run(model, tokens)
   with pallas_kernels.interpret(detect_races=False):  # races: covered per kernel
     kernels_lib.set_kernels(model, "pallas")
-    out = run(model, tokens)
-  for o, r in zip(out, ref):
-    _agree(o, r)
+    pallas = run(model, tokens)
+  for k, x, r in zip(pallas, xla, reference):
+    _agree(k, x, r)
 
 
 @pytest.mark.slow
@@ -133,9 +181,10 @@ def test_fp8_model_kernels_agree_with_xla():
   """Whole FP8 model, prefill. e4m3 keeps 3 mantissa bits, so the rare bf16 rounding difference
   between the paths (attention, summation order) becomes a whole quantization step in the next
   layer's input and compounds: two correct FP8 paths differ about as much as either differs
-  from the bf16 model (~15-20 % relative on this random-weight model). Agreement metric: the
-  kernel path is as close to the bf16 model as the XLA path is. Two layers (dense, then MoE)
-  reach every FP8 kernel."""
+  from the bf16 model (~12 % relative per position on this random-weight model). Agreement
+  metric: the kernel path is as close to the bf16 model as the XLA path is, position by position
+  (`_agree`; a flat 1.25x bound on the whole-batch error sat within 1.4x of the 0.92x measured).
+  Two layers (dense, then MoE) reach every FP8 kernel."""
   bf16 = model_lib.init_model(aligned_config(num_layers=2), seed=0)
   fp8 = quant.quantize_model(bf16, quant.QuantConfig())
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 512, (2, 40)), jnp.int32)
@@ -145,9 +194,10 @@ def test_fp8_model_kernels_agree_with_xla():
   with pallas_kernels.interpret(detect_races=False):
     kernels_lib.set_kernels(fp8, "pallas")
     (pallas,) = _prefill(fp8, tokens)
-  err = lambda a: np.linalg.norm(a - ref) / np.linalg.norm(ref)
+  _agree(pallas, xla, ref)
+  typical, _, _ = _path_stats(pallas, xla, ref)
+  assert typical["XLA"][0] < 0.3, typical  # FP8 itself: median error per position
   top1 = lambda a: np.mean(np.argmax(a, -1) == np.argmax(ref, -1))
-  assert err(xla) < 0.3 and err(pallas) <= 1.25 * err(xla), (err(pallas), err(xla))
   assert top1(pallas) >= top1(xla) - 0.1, (top1(pallas), top1(xla))
 
 

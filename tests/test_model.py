@@ -98,7 +98,7 @@ def test_cache_decode_equals_recompute_fixture(fixture_model, hf_fixture):
   cached = _cached_logits(fixture_model, rows, prompt_lens, steps, capacity=64)
   ref = _recompute_logits(fixture_model, rows)
   for c, r in zip(cached, ref):
-    np.testing.assert_allclose(c, r[:len(c)], atol=1e-5, rtol=0)
+    _assert_close_f32(c, r[:len(c)])  # a flat atol of 1e-5 sat within 2x of the 5.7e-6 measured
     assert len(c) == len(r)
 
 
@@ -175,6 +175,12 @@ def test_bf16_forward_close_to_f32(hf_fixture_dir, hf_fixture):
   m = load_hf(str(hf_fixture_dir), dtype="bfloat16")
   logits = np.asarray(_apply(m, jnp.asarray(hf_fixture["inputs"])).logits, np.float32)
   ref = hf_fixture["logits"]
-  # bf16 through 8 layers: compare relative to the logit scale, and by top-1 agreement.
-  assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
+  # bf16 rounds activations at 2^-8 relative a few times per layer; through 8 layers that is
+  # ~1e-2 per position (measured median 0.011, p90 0.013): both under 2^-5. A position near a
+  # top-1 routing tie may take another expert (an error of 0.1-0.3, on whichever CPU rounds it
+  # over): at most 5 % of positions past 2^-3. (The worst element was 0.447 against a flat
+  # 0.05 x the logit scale, 0.522: a routing flip on another CPU would have failed it.)
+  err = np.linalg.norm(logits - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+  assert np.quantile(err, 0.5) < 2 ** -5 and np.quantile(err, 0.9) < 2 ** -5, err
+  assert np.mean(err > 2 ** -3) <= 0.05, err
   assert (logits.argmax(-1) == ref.argmax(-1)).mean() > 0.9

@@ -152,10 +152,10 @@ def test_nan_weight_is_named(f32_model):
 # ----------------------------------------------------------------------------------------------
 # FP8 KV cache
 # ----------------------------------------------------------------------------------------------
-def _decode_logits(model, prompt, steps):
+def _decode_logits(model, prompt, steps, cache_dtype=None):
   """Prefill, then teacher-forced single-token decode steps through the KV cache."""
   B, T = prompt.shape
-  cache = kvc.KVCache.init(model.config, B, T + steps.shape[1])
+  cache = kvc.KVCache.init(model.config, B, T + steps.shape[1], dtype=cache_dtype)
   out = model(prompt, cache=cache, prefill=True)
   cache, logits = out.cache, [out.logits[:, -1]]
   for t in range(steps.shape[1] - 1):
@@ -186,7 +186,12 @@ def test_fp8_kv_cache_decode_matches_bf16_cache():
   # Decode logits (every step reads the quantized cache) agree with the f32 cache.
   # (A random model has flat logits: near-ties flip under any perturbation, hence 0.9.)
   assert _agreement(got, want) >= 0.9
-  assert np.abs(got - want).mean() <= 0.05 * np.abs(want).mean()
+  # Their error is e4m3 rounding carried through the layers: at most 2^4 times (e4m3 keeps 4
+  # significant bits, bf16 8) that of a bf16 cache, whose error went through the same layers,
+  # plus an f32 floor (measured 11x; a flat 5 % bound sat within 1.3x of the 4.0 % measured).
+  b16, _ = _decode_logits(ref_model, prompt, steps, cache_dtype=jnp.bfloat16)
+  rel = lambda a: np.abs(a - want).mean() / np.abs(want).mean()
+  assert rel(got) <= 2 ** 4 * rel(b16) + 1e-3, (rel(got), rel(b16))
 
 
 @pytest.mark.slow
