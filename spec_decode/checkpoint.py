@@ -271,7 +271,7 @@ def eagle3_config_from_hf(raw: Mapping[str, Any], target_config: Config, *,
                            f"integers, got {aux!r}")
   if dtype is None:
     dtype = get("torch_dtype", get("dtype"))
-    dtype = dtype if dtype in config_lib._DTYPES else target_config.dtype
+    dtype = dtype if dtype in config_lib.DTYPES else target_config.dtype
 
   try:
     theta, scaling = config_lib._read_rope(rope_src, where)  # its messages name `where`
