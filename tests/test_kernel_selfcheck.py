@@ -185,9 +185,12 @@ def test_probes_of_the_static_fp8_kernels_pass():
   experts = [fp8(E, F, D), fp8(E, F, D), fp8(E, D, F)]  # K-major gate/up [E, F, D], down
   top_idx = jnp.asarray(rng.integers(0, E, (N, 1)), jnp.int32)
   scores = jnp.asarray(rng.random((N, 1)), jnp.bfloat16)
-  _probe_passes(lambda: kernels_lib.moe_experts(
-      x[:N], top_idx, scores, *experts, None, scales=(ones(E, F), ones(E, F), ones(E, D)),
-      quant=static, input_scales=(si, si, si)))
+  for qc in (static, dynamic):
+    _probe_passes(lambda: kernels_lib.moe_experts(
+        x[:N], top_idx, scores, *experts, None, scales=(ones(E, F), ones(E, F), ones(E, D)),
+        quant=qc, input_scales=(si, si, si)))
+    selfcheck.clear_memory()
+  assert len(_cache()) == 4
 
 
 def test_probe_runs_while_the_model_is_being_traced():
