@@ -8,6 +8,12 @@ that is stopped still leaves its results). On any host, at toy sizes, in GPU int
   python benchmarks/gpu_check.py --interpret --toy
 (what CI runs; its timings are host wall-clock of the interpreter and say nothing about a GPU).
 
+FP8 GEMM and grouped GEMM cases come in both activation modes: per-token x scales, and "static"
+(one scalar x scale and one scalar w scale, for fused experts one for all experts, broadcast as
+the model broadcasts them). The record command (README "Run NVIDIA's record checkpoints": a
+ModelOpt FP8 checkpoint with static per-tensor scales) runs the static mode; the e2e shard below
+is quantized with per-token scales.
+
 Sections, each with its own time budget (a case that would start past it is recorded as skipped):
   kernels  every Pallas kernel vs its XLA reference at Maverick and Scout TP8-rank shard shapes
            (each rank holds 1/8 of the heads, KV heads, FFN / expert widths and vocabulary), bf16
@@ -141,6 +147,18 @@ def _same(args):
   return args
 
 
+def _broadcast_scales(fn, shapes):
+  """`fn` taking per-row / per-channel scales, called with scalars instead (its last
+  len(shapes) args), broadcast inside the timed program as the model does for static per-tensor
+  FP8 (a ModelOpt checkpoint's input_scale and weight_scale)."""
+  import jax.numpy as jnp
+
+  def wrapped(*args):
+    head, scalars = args[:-len(shapes)], args[-len(shapes):]
+    return fn(*head, *(jnp.broadcast_to(s, shape) for s, shape in zip(scalars, shapes)))
+  return wrapped
+
+
 def build_cases(toy: bool, arch: str | None) -> list[Case]:
   import functools
 
@@ -169,17 +187,21 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
     return draw(jax.random.key(seed[0]), tuple(shape), jnp.dtype(dtype), scale, kind)
 
   # ---- dense GEMM: x [M, K] . w [N, K] (K-major, as the model stores FP8 weights) ----
-  def gemm_case(model, what, m, n, k, dtype, regime):
+  # static: FP8 with one scalar x scale and one scalar w scale (ModelOpt), broadcast per row /
+  # per channel inside the timed program, as the model does; otherwise per-token x scales.
+  def gemm_case(model, what, m, n, k, dtype, regime, static=False):
     fp8 = jnp.dtype(dtype) == jnp.dtype(FP8)
+    scale_shapes = ((), ()) if static else ((m,), (n,))
 
     def make():
       x, w = rnd((m, k), dtype), rnd((n, k), dtype, 0.05)
-      xs = rnd((m,), jnp.float32, 0.5, "uniform") if fp8 else None
-      ws = rnd((n,), jnp.float32, 0.5, "uniform") if fp8 else None
+      xs = rnd(scale_shapes[0], jnp.float32, 0.5, "uniform") if fp8 else None
+      ws = rnd(scale_shapes[1], jnp.float32, 0.5, "uniform") if fp8 else None
       return (x, w, xs, ws)
 
     def call(impl):
-      return lambda x, w, xs, ws: gemm_lib.gemm(x, w, xs, ws, out_dtype=BF16, implementation=impl)
+      fn = lambda x, w, xs, ws: gemm_lib.gemm(x, w, xs, ws, out_dtype=BF16, implementation=impl)
+      return _broadcast_scales(fn, ((m,), (n,))) if static else fn
 
     baselines = {("xla_fp8_dot_scaled (cuBLASLt)" if fp8 else "xla_bf16_dot (cuBLAS)"):
                  (_same, call("xla"))}
@@ -192,7 +214,9 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
       goal = "decode_fp8_gemm"
     elif fp8 and regime == "prefill":
       goal = "prefill_fp8_gemm"
-    return Case("gemm", f"{model} {regime} {what} {jnp.dtype(dtype).name} M={m} N={n} K={k}", make,
+    mode = " static" if static else ""
+    return Case("gemm", f"{model} {regime} {what} {jnp.dtype(dtype).name}{mode} M={m} N={n} K={k}",
+                make,
                 call("pallas"), call("xla"), baselines, 2.0 * m * n * k,
                 float((m + n) * k * item + m * n * 2 + (m + n) * 4 * fp8), jnp.dtype(dtype).name,
                 2.0 ** -7, regime, goal)
@@ -204,7 +228,7 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
     ids = rng.choice(groups, size=rows, p=rng.dirichlet(np.full(groups, 0.5)))
     return np.bincount(ids, minlength=groups).astype(np.int32)
 
-  def grouped_case(model, what, rows, groups, d, f, dtype, regime):
+  def grouped_case(model, what, rows, groups, d, f, dtype, regime, static=False):
     fp8 = jnp.dtype(dtype) == jnp.dtype(FP8)
     layout = "enk" if fp8 else "ekn"  # FP8 experts stored K-major; bf16 as declared
     swiglu = what == "swiglu(gate, up)"
@@ -219,6 +243,8 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
       ws = [rnd(wshape, dtype, 0.05) for _ in range(2 if swiglu else 1)]
       if not fp8:
         return (x, *ws, g)
+      if static:  # one x scale; one w scale for all experts (gate and up: one each)
+        return (x, *ws, g, *[rnd((), jnp.float32, 0.01, "uniform") for _ in range(1 + len(ws))])
       xs = rnd((rows,), jnp.float32, 0.5, "uniform")
       return (x, *ws, g, xs, *[rnd((groups, n), jnp.float32, 0.01, "uniform") for _ in ws])
 
@@ -264,8 +290,15 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
     baselines["lax.ragged_dot (footnote)"] = (_same, ragged(lax_dot))
     item = jnp.dtype(dtype).itemsize
     nw = 2 if swiglu else 1
-    return Case("grouped_gemm", f"{model} {regime} {jnp.dtype(dtype).name} {what} A={rows} "
-                f"E={groups} K={k} N={n}", make, call("pallas"), call("xla"), baselines,
+    kernel, reference = call("pallas"), call("xla")
+    if static:
+      shapes = ((rows,),) + ((groups, n),) * nw
+      kernel, reference = _broadcast_scales(kernel, shapes), _broadcast_scales(reference, shapes)
+      baselines = {name: (prep, _broadcast_scales(fn, shapes))
+                   for name, (prep, fn) in baselines.items()}
+    mode = " static" if static else ""
+    return Case("grouped_gemm", f"{model} {regime} {jnp.dtype(dtype).name}{mode} {what} A={rows} "
+                f"E={groups} K={k} N={n}", make, kernel, reference, baselines,
                 2.0 * nw * rows * n * k,
                 float(nw * used * n * k * item + rows * k * item + rows * n * 2),
                 jnp.dtype(dtype).name,
@@ -327,8 +360,10 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
 
   if toy:  # the op benches' toy shapes: known to fit the kernels, fast in interpret mode
     per_op = [
-        [gemm_case("toy", "proj", 5, 128, 256, FP8, "decode")],
-        [grouped_case("toy", "down", 40, 4, 128, 128, FP8, "prefill")],
+        [gemm_case("toy", "proj", 5, 128, 256, FP8, "decode"),
+         gemm_case("toy", "proj", 5, 128, 256, FP8, "decode", static=True)],
+        [grouped_case("toy", "down", 40, 4, 128, 128, FP8, "prefill"),
+         grouped_case("toy", "down", 40, 4, 128, 128, FP8, "prefill", static=True)],
         [prefill_case("toy", 1, 64, 2, 2, 128, None)],
         [decode_case("toy", 1, 4, 4, 1, 64, 128, True)],
     ]
@@ -337,14 +372,19 @@ def build_cases(toy: bool, arch: str | None) -> list[Case]:
     F_DENSE, F_EXPERT, V = 16384 // TP, 8192 // TP, 202048 // TP
     per_op = [
         [gemm_case("maverick", "mlp gate/up", 16, F_DENSE, D, FP8, "decode"),
+         gemm_case("maverick", "mlp gate/up", 16, F_DENSE, D, FP8, "decode", static=True),
          gemm_case("maverick", "mlp down", 16, D, F_DENSE, FP8, "decode"),
          gemm_case("maverick", "q proj", 16, H * DH, D, FP8, "decode"),
          gemm_case("maverick", "prefill mlp gate/up", 8192, F_DENSE, D, FP8, "prefill"),
+         gemm_case("maverick", "prefill mlp gate/up", 8192, F_DENSE, D, FP8, "prefill",
+                   static=True),
          gemm_case("maverick", "prefill mlp down", 8192, D, F_DENSE, FP8, "prefill"),
          gemm_case("maverick", "mlp gate/up", 16, F_DENSE, D, BF16, "decode"),
          gemm_case("maverick", "prefill mlp gate/up", 8192, F_DENSE, D, BF16, "prefill"),
          gemm_case("maverick/scout", "lm_head", 16, V, D, BF16, "decode")],
         [grouped_case("maverick", "swiglu(gate, up)", 16, 128, D, F_EXPERT, FP8, "decode"),
+         grouped_case("maverick", "swiglu(gate, up)", 16, 128, D, F_EXPERT, FP8, "decode",
+                      static=True),
          grouped_case("maverick", "down", 16, 128, D, F_EXPERT, FP8, "decode"),
          grouped_case("maverick", "swiglu(gate, up)", 8192, 128, D, F_EXPERT, FP8, "prefill"),
          grouped_case("scout", "swiglu(gate, up)", 16, 16, D, F_EXPERT, FP8, "decode"),

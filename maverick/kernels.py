@@ -116,6 +116,12 @@ def _positive(rng: np.random.Generator, shape) -> jax.Array:
   return jnp.asarray(rng.uniform(0.5, 2.0, shape).astype(np.float32))
 
 
+def _static_probe_scale(rng: np.random.Generator) -> jax.Array:
+  """A static activation scale for N(0, 1) probe inputs: a calibrated one is max |x| / 448; this
+  one maps |x| = 1..4 to 448, so the probe uses the whole e4m3 range and also clips the tail."""
+  return jnp.asarray(np.float32(rng.uniform(1.0, 4.0) / quant_ops.FP8_MAX))
+
+
 # ----------------------------------------------------------------------------------------------
 # Sharded models: the kernel on each device's shards
 # ----------------------------------------------------------------------------------------------
@@ -158,11 +164,12 @@ def _on_shards(plan, local_fn, args, in_specs, out_spec, reduce_axes=()):
                          check_vma=False)(*args)
 
 
-def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, plan, w_axes):
+def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, plan, w_axes):
   """`linear` per shard: w split as the plan places it (its logical axes), x's contracted axes
   split like w's, x's rows over the plan's batch axes; a sharded contraction (row-parallel o,
-  down) ends with one psum. FP8 activations are then quantized per token over the LOCAL slice
-  (a finer scale than the XLA path's whole-row one, as in the sharded MoE)."""
+  down) ends with one psum. Dynamic FP8 activations are then quantized per token over the LOCAL
+  slice (a finer scale than the XLA path's whole-row one, as in the sharded MoE); a static
+  `input_scale` is replicated (one scalar: every shard quantizes exactly as one device does)."""
   xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
   w_spec = plan.spec(w_axes)
   by_letter = dict(zip(ws, w_spec))
@@ -175,23 +182,45 @@ def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, plan, w_axes):
   out_spec = P(*(by_letter[c] if c in ws else by_letter_x[c] for c in out))
   scale_spec = P(*(by_letter[c] for c in ws if c not in contracted))
   reduce_axes = tuple(m for c in contracted for m in _mesh_axes(by_letter[c]))
-  local = lambda x_, w_, s_: linear(spec, x_, w_, s_, quant, kernels, out_dtype)
-  return _on_shards(plan, local, (x, w, scale), (x_spec, w_spec, scale_spec), out_spec,
-                    reduce_axes)
+  local = lambda x_, w_, s_, si_: linear(spec, x_, w_, s_, quant, kernels, out_dtype,
+                                         input_scale=si_)
+  return _on_shards(plan, local, (x, w, scale, input_scale), (x_spec, w_spec, scale_spec, P()),
+                    out_spec, reduce_axes)
+
+
+def _static(scale, quant, input_scale) -> bool:
+  """Whether an FP8 call quantizes its activations with a static per-tensor `input_scale`."""
+  return (scale is not None and quant is not None and quant.static_activations
+          and input_scale is not None)
+
+
+def _quantize_static_rows(x2, input_scale):
+  """(e4m3 x, per-row scales) of static quantization: the XLA static path's e4m3(clip(x / s)),
+  with the scalar s broadcast to one scale per row, as the kernels' epilogue takes it."""
+  s = jnp.asarray(input_scale, jnp.float32)
+  return quant_ops.quantize_static(x2, s), jnp.broadcast_to(s, x2.shape[:1])
+
+
+def _activation_mode(quant, static: bool) -> str:
+  """The probe key's activation part: static and dynamic quantization are different programs."""
+  if static:
+    return "acts=static_per_tensor"
+  return f"acts={quant and quant.activations} ub={quant and quant.activation_scale_ub}"
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | None,
-           out_dtype=None, placement=None):
+           out_dtype=None, placement=None, input_scale=None):
   """`maverick.quant.einsum` through the Pallas GEMM when the spec is x[batch..., C...] .
   w[C..., O...] (stored K-by-N) or w[O..., C...] (K-major) -> [batch..., O...], which covers every
   projection in the model: the operands then reshape for free into x [M, K] and w [K, N] / [N, K].
-  FP8 weights (with `scale`) need the K-major layout; activations are quantized per token first
-  when `quant` says so, exactly as the XLA path does. `placement` = (plan, w's logical axes as
-  stored) on a sharded model: the GEMM runs per shard (`_sharded_linear`)."""
+  FP8 weights (with `scale`) need the K-major layout; activations are quantized first exactly as
+  the XLA path does: per token when `quant` says so, or, in the static mode, with the scalar
+  `input_scale` (passed to the kernel as that scalar on every row). `placement` = (plan, w's
+  logical axes as stored) on a sharded model: the GEMM runs per shard (`_sharded_linear`)."""
   if kernels == "xla":
     return None
   if placement is not None:
-    return _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, *placement)
+    return _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, *placement)
   xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
   contracted = "".join(c for c in xs if c in ws and c not in out)
   n_c = len(contracted)
@@ -204,8 +233,9 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   else:
     return None
   k, n = math.prod(x.shape[-n_c:]), math.prod(w_out)
+  static = _static(scale, quant, input_scale)
   quantize_x = scale is not None and quant is not None and quant.quantize_activations
-  x_dtype = quant_ops.FP8 if quantize_x else x.dtype
+  x_dtype = quant_ops.FP8 if quantize_x or static else x.dtype
   ok, _ = gemm_lib.pallas_support(x_dtype, w.dtype, n, k, layout, m=math.prod(x.shape[:-n_c]),
                                   out_dtype=out_dtype or x.dtype)
   batch = x.shape[:-n_c]
@@ -214,34 +244,40 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   w_scale = None if scale is None else scale.reshape(n)
   out_dtype = out_dtype or x.dtype
 
-  def run(implementation, x2, w2, w_scale):
+  def run(implementation, x2, w2, w_scale, input_scale):
     x_scale = None
-    if quantize_x:
+    if static:
+      x2, x_scale = _quantize_static_rows(x2, input_scale)
+    elif quantize_x:
       x2, x_scale = quant_ops.quantize_rows(x2, (-1,), quant.activation_scale_ub)
     return gemm_lib.gemm(x2, w2, x_scale, w_scale, w_layout=layout, out_dtype=out_dtype,
                          implementation=implementation)
 
   def make_args(rng):
     return (_normal(rng, x2.shape, x2.dtype), _normal(rng, w2.shape, w2.dtype, 1 / math.sqrt(k)),
-            None if w_scale is None else _positive(rng, w_scale.shape))
+            None if w_scale is None else _positive(rng, w_scale.shape),
+            _static_probe_scale(rng) if static else None)
 
   probe = selfcheck.Probe(
       "gemm", f"x {_sig(x2)} @ w {_sig(w2)} (w_layout={layout!r})",
-      f"{_sig(x2, w2, w_scale)} {layout} quantize_x={quantize_x} ub={quant and quant.activation_scale_ub}"
+      f"{_sig(x2, w2, w_scale)} {layout} quantize_x={quantize_x} {_activation_mode(quant, static)}"
       f" out={jnp.dtype(out_dtype).name}", make_args, run, PROBE_TOL)
   if not use_pallas(kernels, ok, probe):
     return None
-  return run("pallas", x2, w2, w_scale).reshape(*batch, *w_out)
+  return run("pallas", x2, w2, w_scale, input_scale if static else None).reshape(*batch, *w_out)
 
 
 def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str | None, *,
-                scales=None, quant=None):
+                scales=None, quant=None, input_scales=None):
   """Routed experts through the grouped GEMM kernels, or None: assignments sorted by expert,
   gate/up + SwiGLU fused in one kernel, down in another. BF16 experts are read in the declared
   (E, in, out) layout; FP8 ones (`scales` = (gate, up, down) per-channel scales, all three set) in
-  the K-major layout they are stored in, each kernel's input rows quantized per token as the XLA
-  path does (weight-only FP8 has no kernel). Decode too: empty groups cost nothing, so there is
-  no gather path."""
+  the K-major layout they are stored in, each kernel's input rows quantized as the XLA path does:
+  per token, or with the static scalars `input_scales` = (gate, up, down) of the
+  "static_per_tensor" mode (weight-only FP8 has no kernel). The fused gate/up kernel quantizes
+  its input once, with the gate's scalar: ModelOpt stores one `gate_up_proj_input_scale` for both
+  (the only source of static scales; the loader gives gate and up that one value). Decode too:
+  empty groups cost nothing, so there is no gather path."""
   if kernels == "xla":
     return None
   N, D = x_nd.shape
@@ -254,8 +290,10 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   rows = jax.ShapeDtypeStruct((N * k, D), in_dtype)
   hidden = jax.ShapeDtypeStruct((N * k, F), in_dtype)
   row_scale = jax.ShapeDtypeStruct((N * k,), jnp.float32) if fp8 else None
+  static = fp8 and input_scales is not None and _static(scales[0], quant, input_scales[0])
   if fp8:
-    ok = (all(s is not None for s in scales) and quant is not None and quant.quantize_activations
+    ok = (all(s is not None for s in scales)
+          and (static or (quant is not None and quant.quantize_activations))
           and gate_edf.dtype == up_edf.dtype == down_efd.dtype == quant_ops.FP8)
   else:
     ok = gate_edf.dtype == up_edf.dtype == down_efd.dtype == x_nd.dtype
@@ -266,18 +304,22 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
                                         w_scale=scales and scales[2], w_layout=layout,
                                         out_dtype=x_nd.dtype)[0])
   s_gate, s_up, s_down = scales if fp8 else (None, None, None)
+  si_gate, si_down = (input_scales[0], input_scales[2]) if static else (None, None)
 
-  def rows_in(a):  # (kernel input, its per-row scale)
+  def rows_in(a, input_scale):  # (kernel input, its per-row scale)
     if not fp8:
       return a, None
+    if static:
+      return _quantize_static_rows(a, input_scale)
     return quant_ops.quantize_rows(a, (-1,), quant.activation_scale_ub)
 
-  def run(implementation, x_sorted, group_sizes, gate, up, down, s_gate, s_up, s_down):
-    xq, x_scale = rows_in(x_sorted)
+  def run(implementation, x_sorted, group_sizes, gate, up, down, s_gate, s_up, s_down,
+          si_gate, si_down):
+    xq, x_scale = rows_in(x_sorted, si_gate)
     h = grouped_gemm.grouped_swiglu(xq, gate, up, group_sizes, x_scale=x_scale,
                                     gate_scale=s_gate, up_scale=s_up, w_layout=layout,
                                     out_dtype=x_nd.dtype, implementation=implementation)
-    hq, h_scale = rows_in(h)
+    hq, h_scale = rows_in(h, si_down)
     return grouped_gemm.grouped_matmul(hq, down, group_sizes, x_scale=h_scale, w_scale=s_down,
                                        w_layout=layout, out_dtype=x_nd.dtype,
                                        implementation=implementation)
@@ -288,13 +330,15 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
     weights = [_normal(rng, w.shape, w.dtype, 1 / math.sqrt(fan_in))
                for w, fan_in in ((gate_edf, D), (up_edf, D), (down_efd, F))]
     w_scales = [None if s is None else _positive(rng, s.shape) for s in (s_gate, s_up, s_down)]
-    return (_normal(rng, (N * k, D), x_nd.dtype), jnp.asarray(sizes), *weights, *w_scales)
+    statics = [_static_probe_scale(rng) if static else None for _ in range(2)]
+    return (_normal(rng, (N * k, D), x_nd.dtype), jnp.asarray(sizes), *weights, *w_scales,
+            *statics)
 
   probe = selfcheck.Probe(
       "grouped_gemm (experts: SwiGLU, then down)",
       f"{N * k} rows x {_sig(gate_edf)} / {_sig(down_efd)} (w_layout={layout!r})",
       f"{N * k} rows {_sig(x_nd, gate_edf, up_edf, down_efd, s_gate, s_up, s_down)} {layout} "
-      f"ub={quant and quant.activation_scale_ub}", make_args, run, PROBE_TOL)
+      f"{_activation_mode(quant, static)}", make_args, run, PROBE_TOL)
   if not use_pallas(kernels, ok, probe):
     return None
   flat_expert = top_idx.reshape(-1)
@@ -302,7 +346,8 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   token = order // k
   x_sorted = x_nd[token] * scores.reshape(-1)[order][:, None]  # the score scales the INPUT
   group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-  y = run("pallas", x_sorted, group_sizes, gate_edf, up_edf, down_efd, s_gate, s_up, s_down)
+  y = run("pallas", x_sorted, group_sizes, gate_edf, up_edf, down_efd, s_gate, s_up, s_down,
+          si_gate, si_down)
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
 
 

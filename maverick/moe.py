@@ -134,7 +134,7 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   [E,F], up [E,F], down [E,D]) per-expert per-output-channel scales of FP8 expert weights (None
   entries: that weight is unquantized); `quant` says whether activations are quantized per token.
   input_scales: (gate, up, down) static activation scales (f32 scalars shared by all experts) when
-  `quant.activations` is "static_per_tensor"; that mode runs the XLA paths.
+  `quant.activations` is "static_per_tensor"; the grouped GEMM kernels take that mode too.
 
   With at most one assignment per expert on average (decode and verification steps) the chosen
   weights are gathered; otherwise tokens are sorted by expert for a grouped matmul (`impl`).
@@ -144,9 +144,10 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   E = gate_edf.shape[0]
   quantized = scales is not None and any(s is not None for s in scales)
   static = quantized and quant is not None and quant.static_activations
-  if kernels != "xla" and not static:
+  if kernels != "xla":
     y = kernels_lib.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels,
-                                scales=scales if quantized else None, quant=quant)
+                                scales=scales if quantized else None, quant=quant,
+                                input_scales=input_scales if static else None)
     if y is not None:
       return y
   if quantized:

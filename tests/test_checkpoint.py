@@ -183,6 +183,32 @@ def np_forward(cfg: dict, t: dict, ids: np.ndarray, act=None, kv=None) -> np.nda
   return x @ head.T
 
 
+def random_hf_tensors(c: config_lib.Config, rng: np.random.Generator) -> dict:
+  """HF-named float32 tensors of a random Llama 4 text model with config `c` (dense or MoE
+  feed-forward per layer as `c` says; lm_head included)."""
+  D, H, K, Dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+  F, E = c.intermediate_size, c.num_local_experts
+  w = lambda *s, std=0.1: (rng.standard_normal(s) * std).astype(np.float32)
+  norm = lambda: (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+  mlp = lambda p, width: {p + "gate_proj.weight": w(width, D), p + "up_proj.weight": w(width, D),
+                          p + "down_proj.weight": w(D, width)}
+  t = {"model.embed_tokens.weight": w(c.vocab_size, D, std=0.3), "model.norm.weight": norm()}
+  for i in range(c.num_hidden_layers):
+    p = f"model.layers.{i}."
+    t |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+          p + "self_attn.q_proj.weight": w(H * Dh, D), p + "self_attn.k_proj.weight": w(K * Dh, D),
+          p + "self_attn.v_proj.weight": w(K * Dh, D), p + "self_attn.o_proj.weight": w(D, H * Dh)}
+    if c.is_moe(i):
+      t |= {p + "feed_forward.router.weight": w(E, D, std=0.3),
+            p + "feed_forward.experts.gate_up_proj": w(E, D, 2 * F),
+            p + "feed_forward.experts.down_proj": w(E, F, D),
+            **mlp(p + "feed_forward.shared_expert.", F)}
+    else:
+      t |= mlp(p + "feed_forward.", c.intermediate_size_mlp)
+  t["lm_head.weight"] = w(c.vocab_size, D, std=0.3)  # drawn last: a tied model drops it
+  return t
+
+
 def _tied_checkpoint(d) -> tuple[dict, dict]:
   """A random HF checkpoint with tied embeddings (no lm_head.weight), top-2, MoE on every layer,
   NoPE every 3rd layer, from `tiny_top2_tied` values; config has only interval/step."""
@@ -200,23 +226,8 @@ def _tied_checkpoint(d) -> tuple[dict, dict]:
          "attn_temperature_tuning": False, "use_qk_norm": False, "rms_norm_eps": 1e-5,
          "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
          "hidden_act": "silu", "dtype": "float32"}
-  rng = np.random.default_rng(0)
-  D, H, K, Dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-  F, E = c.intermediate_size, c.num_local_experts
-  w = lambda *s, std=0.1: (rng.standard_normal(s) * std).astype(np.float32)
-  norm = lambda: (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
-  t = {"model.embed_tokens.weight": w(c.vocab_size, D, std=0.3), "model.norm.weight": norm()}
-  for i in range(c.num_hidden_layers):
-    p = f"model.layers.{i}."
-    t |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-          p + "self_attn.q_proj.weight": w(H * Dh, D), p + "self_attn.k_proj.weight": w(K * Dh, D),
-          p + "self_attn.v_proj.weight": w(K * Dh, D), p + "self_attn.o_proj.weight": w(D, H * Dh),
-          p + "feed_forward.router.weight": w(E, D, std=0.3),
-          p + "feed_forward.experts.gate_up_proj": w(E, D, 2 * F),
-          p + "feed_forward.experts.down_proj": w(E, F, D),
-          p + "feed_forward.shared_expert.gate_proj.weight": w(F, D),
-          p + "feed_forward.shared_expert.up_proj.weight": w(F, D),
-          p + "feed_forward.shared_expert.down_proj.weight": w(D, F)}
+  t = random_hf_tensors(c, np.random.default_rng(0))
+  del t["lm_head.weight"]  # tied
   _write_hf(d, cfg, t)
   return cfg, t
 

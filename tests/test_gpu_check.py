@@ -105,6 +105,30 @@ def test_shard_cases_lower_for_sm90():
   assert refused == ["maverick/scout decode lm_head bfloat16 M=16 N=25256 K=5120"]
 
 
+def test_static_fp8_cases():
+  """Both FP8 activation modes are checked and timed: the static cases (ModelOpt: scalar x and w
+  scales, broadcast inside the timed program) of the decode / prefill GEMM and the decode grouped
+  GEMM follow their per-token twins, and the toy ones pass in interpret mode."""
+  gpu_check = _load()
+  names = [c.name for c in gpu_check.build_cases(False, None)]
+  for case in ("maverick decode mlp gate/up float8_e4m3fn static M=16",
+               "maverick prefill prefill mlp gate/up float8_e4m3fn static M=8192",
+               "maverick decode float8_e4m3fn static swiglu(gate, up) A=16"):
+    twin = case.replace(" static", "")
+    assert any(n.startswith(case) for n in names) and any(n.startswith(twin) for n in names)
+  firsts = {}
+  for c in gpu_check.build_cases(False, None):
+    firsts.setdefault(c.op, c.name)
+  assert "static" not in firsts["gemm"] and "static" not in firsts["grouped_gemm"], firsts
+  static = [c for c in gpu_check.build_cases(True, None) if " static " in c.name]
+  assert sorted(c.op for c in static) == ["gemm", "grouped_gemm"]
+  for case in static:
+    scales = [a for a in case.make() if a is not None and a.dtype.name == "float32"]
+    assert scales and all(a.shape == () for a in scales), case.name
+    row = gpu_check.check_case(case, interpret=True)
+    assert row["correct"] is True, row
+
+
 def test_input_copies_exceed_twice_the_l2():
   import jax.numpy as jnp
   gpu_check = _load()

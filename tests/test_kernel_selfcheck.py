@@ -21,6 +21,7 @@ import pallas_kernels
 from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
+from maverick import quant
 from maverick.model import TreeMask
 from pallas_kernels import selfcheck
 from pallas_kernels.gemm import api as gemm_api
@@ -161,6 +162,35 @@ def test_probes_of_the_attention_and_expert_kernels_pass():
   top_idx = jnp.asarray(rng.integers(0, E, (N, top)), jnp.int32)
   scores = jnp.asarray(rng.random((N, top)), jnp.bfloat16)
   _probe_passes(lambda: kernels_lib.moe_experts(bf(N, D), top_idx, scores, *experts, None))
+
+
+@pytest.mark.slow
+def test_probes_of_the_static_fp8_kernels_pass():
+  """The static-activation FP8 configs (ModelOpt checkpoints): the probes draw a scalar input
+  scale (and per-tensor-like weight scales) the real kernels pass with, and their key is not the
+  per-token mode's: the same shapes in that mode probe again instead of reusing the result."""
+  rng = np.random.default_rng(4)
+  static, dynamic = quant.QuantConfig(activations="static_per_tensor"), quant.QuantConfig()
+  fp8 = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float8_e4m3fn)
+  ones = lambda *s: jnp.full(s, 0.01, jnp.float32)
+  x, si = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16), jnp.float32(4 / 448)
+  w = fp8(256, 128)  # K-major [N, K]
+  for qc in (static, dynamic):
+    _probe_passes(lambda: kernels_lib.linear("td,fd->tf", x, w, ones(256), qc, None,
+                                             input_scale=si))
+    selfcheck.clear_memory()
+  assert len(_cache()) == 2
+
+  N, D, F, E = 6, 128, 128, 4
+  experts = [fp8(E, F, D), fp8(E, F, D), fp8(E, D, F)]  # K-major gate/up [E, F, D], down
+  top_idx = jnp.asarray(rng.integers(0, E, (N, 1)), jnp.int32)
+  scores = jnp.asarray(rng.random((N, 1)), jnp.bfloat16)
+  for qc in (static, dynamic):
+    _probe_passes(lambda: kernels_lib.moe_experts(
+        x[:N], top_idx, scores, *experts, None, scales=(ones(E, F), ones(E, F), ones(E, D)),
+        quant=qc, input_scales=(si, si, si)))
+    selfcheck.clear_memory()
+  assert len(_cache()) == 4
 
 
 def test_probe_runs_while_the_model_is_being_traced():

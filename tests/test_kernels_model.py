@@ -208,16 +208,21 @@ def test_fixture_logits_match_xla(hf_fixture_dir):
   _compare(model, tokens, _prefill)  # 8 layers: prefill only, to keep CI time
 
 
-def _mosaic_calls(model, tokens_shape, decode: bool, arch: str = "sm90") -> int:
+def lowered_step(model, tokens_shape, decode: bool, arch: str = "sm90") -> str:
+  """The StableHLO text of a prefill (or, `decode`, one decode step at length 70) lowered for
+  `arch`: a 128-slot cache, tokens of `tokens_shape`."""
   graphdef, state = nnx.split(model)
   cfg = model.config
   cache = kvc.KVCache.init(cfg, tokens_shape[0], 128)
   if decode:
     cache = cache.with_lengths(jnp.full((tokens_shape[0],), 70, jnp.int32))
   fn = lambda st, tok, c: model_lib.apply(graphdef, st, tok, cache=c, prefill=not decode).logits
-  hlo = pallas_kernels.lower_for_gpu(fn, state, jax.ShapeDtypeStruct(tokens_shape, jnp.int32),
-                                     cache, arch=arch)
-  return hlo.count("mosaic_gpu_v2")
+  return pallas_kernels.lower_for_gpu(fn, state, jax.ShapeDtypeStruct(tokens_shape, jnp.int32),
+                                      cache, arch=arch)
+
+
+def _mosaic_calls(model, tokens_shape, decode: bool, arch: str = "sm90") -> int:
+  return lowered_step(model, tokens_shape, decode, arch).count("mosaic_gpu_v2")
 
 
 @pytest.mark.slow

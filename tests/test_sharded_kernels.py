@@ -52,14 +52,14 @@ _ENTRY_POINTS = [(gemm, "gemm"), (grouped_gemm, "grouped_swiglu"),
 @pytest.fixture
 def reference_kernels(monkeypatch):
   """Kernel entry points that run their XLA reference (implementation="xla") and record the
-  shapes of the operands they were given; inside `interpret()` the model's helpers then take the
-  kernel path (shard_map and all) with nothing to interpret."""
+  shapes of the operands they were given (and the first operand's dtype); inside `interpret()`
+  the model's helpers then take the kernel path (shard_map and all) with nothing to interpret."""
   seen = []
   for module, name in _ENTRY_POINTS:
     original = getattr(module, name)
 
     def ref(*args, _original=original, _name=name, **kw):
-      seen.append((_name, tuple(a.shape for a in args if hasattr(a, "shape"))))
+      seen.append((_name, tuple(a.shape for a in args if hasattr(a, "shape")), args[0].dtype))
       return _original(*args, **dict(kw, implementation="xla"))
     monkeypatch.setattr(module, name, ref)
   return seen
@@ -98,7 +98,7 @@ def test_kernel_path_matches_sharded_xla(reference_kernels, layout, mesh_kw, loc
     assert rel < 1e-2 and np.mean(o.argmax(-1) == r.argmax(-1)) >= 0.95, rel
   # Every kernel ran, on the device's shards only.
   calls = {}
-  for name, shapes in reference_kernels:
+  for name, shapes, _ in reference_kernels:
     calls.setdefault(name, set()).add(shapes)
   assert set(calls) == {name for _, name in _ENTRY_POINTS}, set(calls)
   r, h, e, f = local["rows"], local["heads"], local["experts"], local["width"]

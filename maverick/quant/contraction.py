@@ -41,7 +41,7 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
   `placement` = (sharding plan, w's logical axes) on a sharded model: the GEMM runs per shard.
   `input_scale` (f32 scalar): the static activation scale of `quant.activations ==
   "static_per_tensor"` (x is quantized as e4m3(clip(x / input_scale)), the accumulator multiplied
-  by input_scale); this mode always runs the XLA path.
+  by input_scale); the Pallas GEMM takes it as it takes the per-token mode.
   """
   static = scale is not None and quant is not None and quant.static_activations
   if static and input_scale is None:
@@ -49,8 +49,8 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
                      "input_scale")
   if scale is not None:
     spec = kmajor_spec(spec, x.ndim)
-  if kernels != "xla" and not static:
-    y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype, placement)
+  if kernels != "xla":
+    y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype, placement, input_scale)
     if y is not None:
       return y
   if scale is None:
