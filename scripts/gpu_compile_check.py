@@ -223,8 +223,12 @@ def loop_placement(thunk_text: str) -> dict:
 
 
 def thunk_text(dump_dir: str, module_hint: str) -> str:
-  files = sorted(pathlib.Path(dump_dir).glob(f"*{module_hint}*thunk_sequence_after_thunk_passes.txt"))
-  files = files or sorted(pathlib.Path(dump_dir).glob(f"*{module_hint}*thunk_sequence.txt"))
+  """The thunk sequence of the module named `module_hint` compiled last. XLA numbers dumped modules
+  by id, not in compile order (module_0001, module_317837, module_100031, ...): newest by time."""
+  newest = lambda pattern: sorted(pathlib.Path(dump_dir).glob(pattern),
+                                  key=lambda f: f.stat().st_mtime_ns)
+  files = newest(f"*{module_hint}*thunk_sequence_after_thunk_passes.txt")
+  files = files or newest(f"*{module_hint}*thunk_sequence.txt")
   if not files:
     raise RuntimeError(f"no thunk sequence dumped for {module_hint!r} in {dump_dir}")
   return files[-1].read_text()

@@ -95,3 +95,18 @@ def test_flags_are_checked():
               ["--context", "0"]):
     with pytest.raises(SystemExit):
       g._parse(bad)
+
+
+def test_thunk_text_takes_the_module_compiled_last(tmp_path):
+  """Dumped modules are numbered by id, not in compile order: the newest file is the one."""
+  import os
+  g = _load()
+  old = tmp_path / "module_317837.jit__generate.thunk_sequence_after_thunk_passes.txt"
+  new = tmp_path / "module_0001.jit__generate.thunk_sequence_after_thunk_passes.txt"
+  other = tmp_path / "module_0002.jit__spec_generate.thunk_sequence_after_thunk_passes.txt"
+  for i, (f, text) in enumerate(((old, "old"), (new, "new"), (other, "spec"))):
+    f.write_text(text)
+    os.utime(f, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))
+  assert g.thunk_text(str(tmp_path), "jit__generate") == "new"
+  with pytest.raises(RuntimeError, match="no thunk sequence"):
+    g.thunk_text(str(tmp_path), "jit__prefill")
