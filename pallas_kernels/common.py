@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import re
 from collections.abc import Callable, Iterator
 
 import jax
@@ -33,6 +35,70 @@ INTERPRET_NUM_SMS = 2
 
 class KernelInputError(ValueError):
   """An input a kernel cannot take: the message names the argument, what it got and the fix."""
+
+
+def lowered_once(fn, static_argnames):
+  """`fn` (a kernel entry) as a jitted function. Inside an outer jit every call with the same shapes
+  and static config then lowers to ONE shared function, so JAX runs the Mosaic GPU lowering once
+  per distinct kernel, not once per call site: a 48-layer model has ~860 kernel call sites but ~20
+  distinct kernels, and lowering each site took ~0.3 s (see README, "GPU programs compiled
+  without a GPU"). Interpret mode is part of jit's cache key, so interpreted and GPU traces never
+  mix."""
+  return jax.jit(fn, static_argnames=static_argnames)
+
+
+_FUNC = re.compile(r"func\.func (?:public |private )?@([\w.$-]+)\(")
+_CALL = re.compile(r"\bcall @([\w.$-]+)\(")
+_MOSAIC_CALL = re.compile(r"custom_call @mosaic_gpu\w*\(")
+
+
+def _call_graph(stablehlo: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+  """Per function of lowered StableHLO text: its Mosaic GPU custom-call lines, and the functions
+  it calls (once per call)."""
+  kernels, calls, fn = {}, {}, None
+  for line in stablehlo.splitlines():
+    m = _FUNC.search(line)
+    if m:
+      fn = m.group(1)
+      kernels[fn], calls[fn] = [], []
+    elif fn is not None:
+      if _MOSAIC_CALL.search(line):
+        kernels[fn].append(line)
+      calls[fn] += _CALL.findall(line)
+  return kernels, calls
+
+
+def mosaic_call_lines(stablehlo: str, entry: str = "main") -> list[str]:
+  """The Mosaic GPU custom-call lines of lowered StableHLO text, each repeated as often as one run
+  of `entry` makes that call: a kernel inside a shared function (`lowered_once`) is written once
+  in the text but runs at every call site of that function."""
+  kernels, calls = _call_graph(stablehlo)
+  callers = {}
+  for fn, callees in calls.items():
+    for callee in callees:
+      callers.setdefault(callee, []).append(fn)
+
+  @functools.cache
+  def runs(name):
+    return 1 if name == entry else sum(runs(c) for c in callers.get(name, ()))
+
+  return [line for name, lines in kernels.items() for line in lines for _ in range(runs(name))]
+
+
+def mosaic_call_sites(stablehlo: str, entry: str = "main") -> int:
+  """How many Mosaic GPU kernel calls one run of `entry` makes (see `mosaic_call_lines`)."""
+  return len(mosaic_call_lines(stablehlo, entry))
+
+
+def kernel_functions(stablehlo: str) -> set[str]:
+  """The functions of lowered StableHLO text that call a Mosaic GPU kernel, directly or not."""
+  kernels, calls = _call_graph(stablehlo)
+
+  @functools.cache
+  def has(name):
+    return bool(kernels.get(name)) or any(has(c) for c in calls.get(name, ()))
+
+  return {name for name in kernels if has(name)}
 
 
 def check(ok: bool, message: str) -> None:

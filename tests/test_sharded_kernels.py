@@ -29,7 +29,7 @@ from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
 from maverick import sharding
-from pallas_kernels import decode_attention, gemm, grouped_gemm, prefill_attention
+from pallas_kernels import common, decode_attention, gemm, grouped_gemm, prefill_attention
 from test_sharding import collectives
 
 B, T, CAPACITY = 2, 40, 128
@@ -143,8 +143,8 @@ def _main(hlo: str) -> str:
 
 
 # Per layer q, k, v, o + 3 dense-MLP / shared-expert GEMMs, + the LM head; the MoE layer's 2
-# grouped GEMMs. Attention: the decode kernel is one jitted function, defined once in the text
-# (both layers are chunked RoPE layers), the prefill kernel is lowered per layer.
+# grouped GEMMs; one attention kernel per layer. Kernels are shared functions
+# (common.lowered_once): counted at their call sites.
 GEMMS, GROUPED = 2 * 7 + 1, 2
 
 
@@ -156,13 +156,13 @@ def test_tp8_lowering_has_kernels_inside_shard_map(arch, what):
   kernels_lib.set_kernels(model, None)  # auto: lower_for_gpu targets `arch`
   fn, args = (_decode_step if what == "decode" else _prefill)(model)
   hlo = pallas_kernels.lower_for_gpu(lambda *a: fn(*a), *args, arch=arch)
-  attention = 1 if what == "decode" else 2
-  assert hlo.count("@mosaic_gpu_v2(") == GEMMS + GROUPED + attention
+  assert common.mosaic_call_sites(hlo) == GEMMS + GROUPED + 2
   main = _main(hlo)
   # Every kernel is called from a manual (shard_map) region, never at the top level of main,
   # where XLA would have to partition it: one region per GEMM and attention call, one for the MoE.
+  kernel_calls = tuple(f"call @{f}(" for f in common.kernel_functions(hlo))
   for line in main.splitlines():
-    if line.startswith("    %") and ("mosaic_gpu_v2" in line or "call @_pallas" in line):
+    if line.startswith("    %") and ("mosaic_gpu_v2" in line or any(c in line for c in kernel_calls)):
       raise AssertionError(f"a kernel outside shard_map: {line[:200]}")
   assert main.count("sdy.manual_computation(") == GEMMS - 3 + 2 + 1  # shared expert: in the MoE
   # Local shapes: one head of 64 per device (q / KV cache), the expert width 512 / 8.

@@ -33,7 +33,7 @@ from maverick import kernels as kernels_lib
 from maverick import model as model_lib
 from maverick import moe, quant
 from maverick.checkpoint import load_hf
-from pallas_kernels import gemm, grouped_gemm
+from pallas_kernels import common, gemm, grouped_gemm
 
 ALIGNED = dict(hidden_size=128, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=256, intermediate_size_mlp=256, num_hidden_layers=2,
@@ -144,7 +144,7 @@ def _fp8_kernel_calls(hlo: str) -> tuple[int, int]:
   """(FP8 GEMM calls, FP8 grouped GEMM calls) among the Mosaic GPU custom calls, told apart by
   their operand types: e4m3 x [M, K] and w [N, K] with f32 row / column scales, or the group
   schedule (i32), e4m3 rows and [E, N, K] expert weights."""
-  calls = [line[line.rindex(" : ("):] for line in hlo.splitlines() if "mosaic_gpu_v2" in line]
+  calls = [line[line.rindex(" : ("):] for line in common.mosaic_call_lines(hlo)]
   return (sum(bool(_FP8_GEMM.match(c, 3)) for c in calls),
           sum(bool(_FP8_GROUPED.match(c, 3)) for c in calls))
 

@@ -16,7 +16,8 @@ from pallas_kernels.gemm import reference, sm90, sm100
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
-_KERNELS = {"sm90": sm90.gemm, "sm100": sm100.gemm}
+_KERNELS = {arch: common.lowered_once(m.gemm, ("cfg", "out_dtype"))
+            for arch, m in (("sm90", sm90), ("sm100", sm100))}
 TILE_K_BYTES = plan_lib.TILE_K_BYTES
 
 

@@ -104,8 +104,15 @@ def pallas_support(x, w, *, x_scale=None, w_scale=None, w_layout: str = "enk",
   return p.supported, p.why
 
 
-def _arch_module():
-  return {"sm90": sm90, "sm100": sm100}[common.target_arch()]
+_STATIC = ("out_dtype", "w_kn", "cfg")
+_KERNELS = {arch: (common.lowered_once(m.grouped_matmul, _STATIC),
+                   common.lowered_once(m.grouped_swiglu, _STATIC))
+            for arch, m in (("sm90", sm90), ("sm100", sm100))}
+
+
+def _arch_kernels():
+  """(grouped_matmul, grouped_swiglu) of the target architecture."""
+  return _KERNELS[common.target_arch()]
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
@@ -123,9 +130,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     return reference.grouped_matmul(x, _as_enk(w, w_layout), group_sizes, x_scale=x_scale,
                                     w_scale=w_scale, out_dtype=out_dtype)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  return _arch_module().grouped_matmul(x, w, group_sizes.astype(jnp.int32), f32(x_scale),
-                                       f32(w_scale), jnp.dtype(out_dtype),
-                                       w_kn=w_layout == "ekn", cfg=plan.config)
+  return _arch_kernels()[0](x, w, group_sizes.astype(jnp.int32), f32(x_scale), f32(w_scale),
+                            out_dtype=jnp.dtype(out_dtype), w_kn=w_layout == "ekn",
+                            cfg=plan.config)
 
 
 def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array, *,
@@ -150,7 +157,6 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes
                                     gate_scale=gate_scale, up_scale=up_scale,
                                     out_dtype=out_dtype)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  return _arch_module().grouped_swiglu(x, w_gate, w_up, group_sizes.astype(jnp.int32),
-                                       f32(x_scale), f32(gate_scale), f32(up_scale),
-                                       jnp.dtype(out_dtype), w_kn=w_layout == "ekn",
-                                       cfg=plan.config)
+  return _arch_kernels()[1](x, w_gate, w_up, group_sizes.astype(jnp.int32), f32(x_scale),
+                            f32(gate_scale), f32(up_scale), out_dtype=jnp.dtype(out_dtype),
+                            w_kn=w_layout == "ekn", cfg=plan.config)

@@ -16,6 +16,8 @@ sm100.py (Blackwell: tcgen05 into TMEM, the same warpgroup layout). Both take bf
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -42,12 +44,17 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla":
     return reference.prefill_attention(q, k, v, lengths, chunk_size, float(sm_scale))
-  if common.target_arch() == "sm100":
+  return _kernel(common.target_arch())(q, k, v, lengths, chunk_size=chunk_size,
+                                       sm_scale=float(sm_scale), config=plan.config)
+
+
+@functools.cache
+def _kernel(arch: str):
+  if arch == "sm100":
     from pallas_kernels.prefill_attention import sm100 as kernel
   else:
     from pallas_kernels.prefill_attention import sm90 as kernel
-  return kernel.prefill_attention(q, k, v, lengths, chunk_size=chunk_size, sm_scale=float(sm_scale),
-                                  config=plan.config)
+  return common.lowered_once(kernel.prefill_attention, ("chunk_size", "sm_scale", "config"))
 
 
 def pallas_support(q, k, v=None, *, arch: str | None = None) -> tuple[bool, str]:
