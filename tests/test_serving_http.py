@@ -26,26 +26,40 @@ from param_utils import http_exchange, http_head  # noqa: E402
 
 LIMIT = 100_000  # --max_request_bytes of the app under test
 CONTEXT = 64
-SHORT = 4  # requests with max_tokens up to this are answered at once by the stub
+HANG = 40  # requests with max_tokens from this on run until cancelled
+STEP = 3  # tokens per stub event (the engine's steps return several tokens too)
 WAIT_S = 10
 
 
 class StubEngine:
-  """What the app uses of an Engine. A request with max_tokens <= SHORT gets its prompt's first
-  tokens back at once; a longer one runs until cancelled (`submitted`, then `cancelled` is set)."""
+  """What the app uses of an Engine. A request's output is its prompt's tokens (repeated), in
+  events of STEP tokens, up to max_tokens or a stop id (included, as the engine does). One with
+  max_tokens >= HANG runs until cancelled (`submitted`, then `cancelled` is set). `calls` keeps
+  every submit's prompt and keywords."""
 
   max_seq_len = CONTEXT
   error = None
+  slots, active, steps, spec_rounds, spec_accepted = 4, 0, 0, 0, 0
 
-  def __init__(self):
+  def __init__(self, eos):
+    self.default_stop = [eos]
     self.submitted, self.cancelled = threading.Event(), threading.Event()
+    self.calls = []
 
-  def submit(self, prompt, callback, *, max_tokens, **_):
-    handle = types.SimpleNamespace(stop_ids=frozenset(), finished=max_tokens <= SHORT)
-    if handle.finished:
-      callback(Event(list(prompt[:max_tokens]), True, "length"))
-    else:
+  def submit(self, prompt, callback, *, max_tokens, stop_tokens=None, **kw):
+    self.calls.append(dict(kw, prompt=list(prompt), max_tokens=max_tokens,
+                           stop_tokens=stop_tokens))
+    stops = frozenset(self.default_stop if stop_tokens is None else stop_tokens)
+    handle = types.SimpleNamespace(stop_ids=stops, finished=max_tokens < HANG, admitted=0.0)
+    if not handle.finished:
       self.submitted.set()
+      return handle
+    out = [prompt[i % len(prompt)] for i in range(max_tokens)]
+    end = next((i + 1 for i, t in enumerate(out) if t in stops), len(out))
+    for i in range(0, end, STEP):
+      done = i + STEP >= end
+      reason = ("stop" if out[end - 1] in stops else "length") if done else None
+      callback(Event(out[i:i + STEP], done, reason))
     return handle
 
   def cancel(self, handle):
@@ -60,11 +74,11 @@ class HeldTokenizer:
     self.tok = tok
     self.started, self.release = threading.Event(), threading.Event()
 
-  def encode(self, text):
+  def encode(self, text, **kw):
     if len(text) > INLINE_TOKENIZE_BYTES:
       self.started.set()
       self.release.wait(WAIT_S * 3)
-    return self.tok.encode(text)
+    return self.tok.encode(text, **kw)
 
   def __getattr__(self, name):
     return getattr(self.tok, name)
@@ -73,7 +87,7 @@ class HeldTokenizer:
 @pytest.fixture(scope="module")
 def app_server():
   tok = HeldTokenizer(tokenizer_lib.load_tokenizer(loading.EMBEDDED["tiny"]))
-  engine = StubEngine()
+  engine = StubEngine(tok.eos_ids[0])
   server = Server(engine, tok, "tiny", max_request_bytes=LIMIT)
   server.ready = True
   sock = socket.socket()
@@ -88,7 +102,8 @@ def app_server():
     time.sleep(0.02)
   assert uv.started
   try:
-    yield types.SimpleNamespace(port=sock.getsockname()[1], engine=engine, tok=tok)
+    yield types.SimpleNamespace(port=sock.getsockname()[1], engine=engine, tok=tok, server=server,
+                                base=f"http://127.0.0.1:{sock.getsockname()[1]}")
   finally:
     uv.should_exit = True
     thread.join(WAIT_S)
