@@ -59,7 +59,7 @@ class StubEngine:
     for i in range(0, end, STEP):
       done = i + STEP >= end
       reason = ("stop" if out[end - 1] in stops else "length") if done else None
-      callback(Event(out[i:i + STEP], done, reason))
+      callback(Event(out[i:min(i + STEP, end)], done, reason))
     return handle
 
   def cancel(self, handle):
@@ -184,3 +184,145 @@ def test_a_half_sent_body_is_one_quiet_line(app_server, caplog):
                                                  if r.levelno >= logging.WARNING], caplog.text
   assert [r.getMessage() for r in caplog.records if "whole body" in r.getMessage()] == [
       "POST /v1/completions: the client left before sending the whole body"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Usage, stop strings, stop ids, n and prompt lists. The stub returns the prompt's own tokens, so
+# the expected output and counts come from the tokenizer alone, not from the server's code.
+# ------------------------------------------------------------------------------------------------
+CODE = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+
+
+def _post(app, body, path="/v1/completions", **kw):
+  return httpx.post(app.base + path, json=body, timeout=WAIT_S, **kw)
+
+
+def _stream(app, body, path="/v1/completions"):
+  """The parsed chunks of a streamed answer (up to `data: [DONE]`, which must come last)."""
+  with httpx.stream("POST", app.base + path, json=dict(body, stream=True), timeout=WAIT_S) as r:
+    assert r.status_code == 200, r.read()
+    lines = [line[len("data: "):] for line in r.iter_lines() if line]
+  assert lines[-1] == "[DONE]", lines
+  return [json.loads(line) for line in lines[:-1]]
+
+
+def _joined(chunks, field="text"):
+  """Per choice index: (concatenated text, token ids, last finish reason)."""
+  out = {}
+  for chunk in chunks:
+    for c in chunk["choices"]:
+      text, ids, reason = out.get(c["index"], ("", [], None))
+      piece = c["delta"].get("content") or "" if "delta" in c else c[field]
+      out[c["index"]] = (text + piece, ids + c.get("token_ids", []), c["finish_reason"] or reason)
+  return out
+
+
+def _prefix_with(tok, ids, words):
+  """The fewest leading tokens of ids whose text holds `words`."""
+  return next(k for k in range(1, len(ids) + 1) if words in tok.decode(ids[:k]))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop"])
+def test_usage_and_token_ids_end_at_the_token_that_completes_the_stop_string(app_server, stream,
+                                                                             include):
+  """Tokens past the stop string arrive in the same engine event; they are neither returned nor
+  counted (before: completion_tokens counted every token of the event)."""
+  tok = app_server.tok.tok
+  ids = tok.encode(CODE)
+  k = _prefix_with(tok, ids, "return")
+  assert k % STEP and k < len(ids)  # the stop's event holds tokens past it
+  text = tok.decode(ids[:k])
+  want = text if include else text[:text.index("return")]
+  body = {"prompt": CODE, "max_tokens": len(ids), "stop": ["zzz", "return"],
+          "return_token_ids": True, "include_stop_str_in_output": include}
+  if stream:
+    chunks = _stream(app_server, dict(body, stream_options={"include_usage": True}))
+    got, usage = _joined(chunks)[0], chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+  else:
+    answer = _post(app_server, body).json()
+    c, usage = answer["choices"][0], answer["usage"]
+    got = (c["text"], c["token_ids"], c["finish_reason"])
+  assert got == (want, ids[:k], "stop")
+  assert usage == {"prompt_tokens": len(ids), "completion_tokens": k,
+                   "total_tokens": len(ids) + k}
+
+
+def test_any_number_of_stop_strings_the_earliest_wins(app_server):
+  tok = app_server.tok.tok
+  ids = tok.encode(CODE)
+  stops = ["never1", "never2", "print", "never3", "+ b", "never4", "never5"]  # before: at most 4
+  c = _post(app_server, {"prompt": CODE, "max_tokens": len(ids), "stop": stops}).json()
+  text = tok.decode(ids[:_prefix_with(tok, ids, "+ b")])
+  assert c["choices"][0]["text"] == text[:text.index("+ b")], c
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_stop_token_ids_join_the_end_of_sequence_ids(app_server, ignore_eos):
+  tok, engine = app_server.tok.tok, app_server.engine
+  ids = tok.encode(CODE)
+  stop_id = ids[7]  # " +" ... any id past the start
+  k = ids.index(stop_id) + 1
+  answer = _post(app_server, {"prompt": CODE, "max_tokens": len(ids), "stop_token_ids": [stop_id],
+                              "ignore_eos": ignore_eos, "return_token_ids": True}).json()
+  assert engine.calls[-1]["stop_tokens"] == ([] if ignore_eos else [tok.eos_ids[0]]) + [stop_id]
+  c = answer["choices"][0]
+  assert (c["text"], c["token_ids"], c["finish_reason"]) == (tok.decode(ids[:k - 1]), ids[:k],
+                                                             "stop")
+  assert answer["usage"]["completion_tokens"] == k
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_times_a_list_of_prompts(app_server, stream):
+  """Choice index = prompt * n + j, drawn with seed + index; usage counts each prompt once and
+  every choice's tokens."""
+  tok, engine = app_server.tok.tok, app_server.engine
+  prompts = ["x = 1\n", "import os\n"]
+  ids = [tok.encode(p) for p in prompts]
+  body = {"prompt": prompts, "n": 2, "seed": 7, "max_tokens": 5, "return_token_ids": True}
+  before = len(engine.calls)
+  if stream:
+    chunks = _stream(app_server, dict(body, stream_options={"include_usage": True}))
+    got, usage = _joined(chunks), chunks[-1]["usage"]
+  else:
+    answer = _post(app_server, body).json()
+    got = {c["index"]: (c["text"], c["token_ids"], c["finish_reason"]) for c in answer["choices"]}
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    usage = answer["usage"]
+  want = [(ids[p] * 2)[:5] for p in (0, 0, 1, 1)]
+  assert got == {i: (tok.decode(w[1:]) if w[0] == tok.bos_id else tok.decode(w), w, "length")
+                 for i, w in enumerate(want)}
+  assert [c["seed"] for c in engine.calls[before:]] == [7, 8, 9, 10]
+  assert [c["prompt"] for c in engine.calls[before:]] == [ids[0], ids[0], ids[1], ids[1]]
+  assert usage == {"prompt_tokens": len(ids[0]) + len(ids[1]), "completion_tokens": 20,
+                   "total_tokens": len(ids[0]) + len(ids[1]) + 20}
+
+
+def test_chat_with_n_streams_a_role_chunk_per_choice(app_server):
+  chunks = _stream(app_server, {"messages": [{"role": "user", "content": "hi"}], "n": 3,
+                                "max_tokens": 4}, "/v1/chat/completions")
+  roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
+  assert roles == [0, 1, 2]
+  assert sorted(_joined(chunks)) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "ok \ud800 no"}),
+    ("/v1/completions", {"prompt": ["fine", "bad \udfff"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}),
+    ("/tokenize", {"prompt": "\ud800"}),
+], ids=["completion", "completion_list", "chat", "tokenize"])
+def test_a_lone_surrogate_is_a_400_and_the_connection_lives_on(app_server, path, body):
+  """Before: HTTP 500 in plain text (the tokenizer's TypeError) and a broken kept-alive
+  connection. json.dumps writes the surrogate as the escape \\ud800, as a client would."""
+  with httpx.Client(base_url=app_server.base, timeout=WAIT_S) as client:
+    r = client.post(path, content=json.dumps(body).encode(),  # ASCII: "\\ud800" escaped
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    param = "messages" if "messages" in body else "prompt"
+    assert err["param"] == param and "lone surrogate" in err["message"], err
+    assert err["type"] == "invalid_request_error"
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert ok.status_code == 200, ok.text

@@ -111,9 +111,11 @@ class Gateway:
   def _done(self, scope, status, usage, start):
     path = scope["path"]
     self.server.metrics.requests.labels(path, str(status)).inc()
-    access_log.info("%s %s %d prompt_tokens=%s completion_tokens=%s latency=%.3fs",
+    user = scope["state"].get("user")
+    access_log.info("%s %s %d prompt_tokens=%s completion_tokens=%s latency=%.3fs%s",
                     scope["method"], path, status, usage.get("prompt_tokens", "-"),
-                    usage.get("completion_tokens", "-"), time.perf_counter() - start)
+                    usage.get("completion_tokens", "-"), time.perf_counter() - start,
+                    "" if user is None else f" user={json.dumps(user)}")
 
 
 def _authorized(scope, key: str) -> bool:

@@ -377,7 +377,10 @@ def create_app(server: Server) -> FastAPI:
       prompts = await prompt_ids(body, size, o.add_special)
     if o.truncate is not None:  # vLLM's truncate_prompt_tokens: the last k tokens
       prompts = [p[-o.truncate:] for p in prompts]
-    usage = request.scope.setdefault("state", {}).setdefault("usage", {})
+    state = request.scope.setdefault("state", {})  # the access log line reads it
+    usage = state.setdefault("usage", {})
+    if o.user is not None:
+      state["user"] = o.user
     usage.update(prompt_tokens=sum(map(len, prompts)), completion_tokens=0)
     usage["total_tokens"] = usage["prompt_tokens"]
     loop = asyncio.get_running_loop()
