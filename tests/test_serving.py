@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 import maverick  # noqa: E402
 from param_utils import http_exchange, http_head, single_device_env  # noqa: E402
@@ -218,7 +219,7 @@ def test_disconnect_frees_the_slot(server, client):
     ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p"),
     ({"model": "tiny", "messages": []}, 400, "messages", "messages"),
     ({"model": "tiny", "prompt": [10**9]}, 400, "vocabulary", "prompt"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "'n'", "n"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 400, "'n' must be in [1, 128], got 0", "n"),
     # A prompt that fills the context leaves no max_tokens to lower: the prompt is named.
     ({"model": "tiny", "prompt": [1] * MAX_SEQ_LEN, "max_tokens": 1}, 400,
      f"the prompt has {MAX_SEQ_LEN} tokens and this server's context of {MAX_SEQ_LEN} tokens must "

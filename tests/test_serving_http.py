@@ -17,6 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 from maverick import loading  # noqa: E402
 from maverick import tokenizer as tokenizer_lib  # noqa: E402
