@@ -21,7 +21,7 @@ pytest.importorskip("prometheus_client")
 
 from maverick import loading  # noqa: E402
 from maverick import tokenizer as tokenizer_lib  # noqa: E402
-from maverick.serving.engine import Event  # noqa: E402
+from maverick.serving.engine import Event, RequestError  # noqa: E402
 from maverick.serving.server import INLINE_TOKENIZE_BYTES, Server, create_app  # noqa: E402
 from param_utils import http_exchange, http_head  # noqa: E402
 
@@ -51,6 +51,9 @@ class StubEngine:
   def submit(self, prompt, callback, *, max_tokens, stop_tokens=None, **kw):
     self.calls.append(dict(kw, prompt=list(prompt), max_tokens=max_tokens,
                            stop_tokens=stop_tokens))
+    if max_tokens > CONTEXT:  # as the engine: the field at fault is named
+      raise RequestError(f"max_tokens ({max_tokens}) does not fit the context", "max_tokens",
+                         "context_length_exceeded")
     stops = frozenset(self.default_stop if stop_tokens is None else stop_tokens)
     handle = types.SimpleNamespace(stop_ids=stops, finished=max_tokens < HANG, admitted=0.0)
     if not handle.finished:
@@ -307,6 +310,19 @@ def test_chat_with_n_streams_a_role_chunk_per_choice(app_server):
   roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
   assert roles == [0, 1, 2]
   assert sorted(_joined(chunks)) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": CONTEXT + 1}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": CONTEXT + 1}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "user": "u",
+                              "max_completion_tokens": CONTEXT + 1}, "max_completion_tokens"),
+], ids=["completions", "chat", "chat_completion_tokens"])
+def test_the_engines_refusal_names_the_field_sent(app_server, path, body, param):
+  r = _post(app_server, body, path)
+  assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+  assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("path,body", [

@@ -96,9 +96,18 @@ class Gateway:
     key = self.server.api_key
     refused = key is not None and scope["path"] not in OPEN_PATHS and not _authorized(scope, key)
 
+    logged = [False]
+
+    def done():
+      if not logged[0]:
+        logged[0] = True
+        self._done(scope, status[0], usage, start)
+
     async def sending(message):
       if message["type"] == "http.response.start":
         status[0] = message["status"]
+      elif not message.get("more_body", False):
+        done()  # before the last byte: a client that has its answer finds the request counted
       await send(message)
     try:
       await (_unauthorized(sending) if refused else self.app(scope, receive, sending))
@@ -106,7 +115,7 @@ class Gateway:
       status[0] = status[0] or 500
       raise
     finally:
-      self._done(scope, status[0], usage, start)
+      done()  # the client left mid-answer, or the app failed
 
   def _done(self, scope, status, usage, start):
     path = scope["path"]

@@ -216,9 +216,9 @@ def parse_options(body: dict, chat: bool) -> Options:
       values = (n,)
     if v is not None and not any(_same(v, d) for d in values):
       raise ApiError(400, f"'{name}' = {v!r} is not supported by this server: {why}", name)
-  name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+  limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
       else "max_tokens"
-  max_tokens = number(body, name, None if chat else 16, lo=1, integer=True)
+  max_tokens = number(body, limit, None if chat else 16, lo=1, integer=True)
   stream = boolean(body, "stream")
   opts = body.get("stream_options")
   if opts is not None:
@@ -232,10 +232,10 @@ def parse_options(body: dict, chat: bool) -> Options:
     if boolean(opts, "continuous_usage_stats"):
       raise ApiError(400, "'stream_options.continuous_usage_stats' is not supported by this "
                      "server: usage comes in the last chunk", "stream_options")
-  for name in ("user", "request_id", "cache_salt"):
-    v = body.get(name)
-    if v is not None and not (isinstance(v, str) and (v or name == "user")):
-      raise ApiError(400, f"'{name}' must be a non-empty string, got {v!r}", name)
+  for key in ("user", "request_id", "cache_salt"):
+    v = body.get(key)
+    if v is not None and not (isinstance(v, str) and (v or key == "user")):
+      raise ApiError(400, f"'{key}' must be a non-empty string, got {v!r}", key)
   add_generation_prompt = boolean(body, "add_generation_prompt", True)
   continue_final = boolean(body, "continue_final_message")
   if continue_final and body.get("add_generation_prompt") is True:
@@ -244,7 +244,7 @@ def parse_options(body: dict, chat: bool) -> Options:
   boolean(body, "include_reasoning")  # no reasoning content is ever produced: both values hold
   boolean(body, "parallel_tool_calls")  # no tools: nothing to call, in parallel or not
   return Options(
-      max_tokens=max_tokens, max_tokens_name=name,
+      max_tokens=max_tokens, max_tokens_name=limit,
       temperature=float(number(body, "temperature", 1.0, lo=0, hi=2)),
       top_p=float(number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)),
       top_k=max(int(number(body, "top_k", 0, lo=-1, integer=True)), 0),
