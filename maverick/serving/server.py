@@ -283,7 +283,6 @@ def create_app(server: Server) -> FastAPI:
   async def prompt_ids(body, size: int, add_special: bool) -> list[list[int]]:
     """Every prompt of a completions request: a string, a list of ids, or a list of either."""
     prompt = body.get("prompt")
-    _check_text(prompt, "prompt")
     is_ids = lambda p: isinstance(p, list) and p and all(
         isinstance(t, int) and not isinstance(t, bool) for t in p)
     if isinstance(prompt, str) or is_ids(prompt):
