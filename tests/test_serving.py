@@ -211,6 +211,49 @@ def test_disconnect_frees_the_slot(server, client):
   assert c.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
+def test_n_prompt_lists_usage_and_metrics_with_the_engine(server, loaded):
+  """Real engine handles: n x a prompt list, usage equal to the returned ids, /metrics moving by
+  them, and stop-string output that ends where its text does."""
+  from prometheus_client.parser import text_string_to_metric_families
+
+  def scrape():
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if not s.labels}
+
+  tok, stops = loaded.tokenizer, set(loaded.stop_tokens)
+  before = scrape()
+  prompts = ["def fibonacci(n):", [1, 500, 501, 502]]
+  r = httpx.post(f"{server}/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
+      "model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 12, "temperature": 0.9,
+      "seed": 3, "stop": [" ", "\n"], "return_token_ids": True})
+  assert r.status_code == 200, r.text
+  answer = r.json()
+  assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+  prompt_tokens = len(tok.encode(prompts[0])) + len(prompts[1])
+  completion = sum(len(c["token_ids"]) for c in answer["choices"])
+  assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                             "total_tokens": prompt_tokens + completion}
+  for c in answer["choices"]:
+    text = tok.decode([t for t in c["token_ids"] if t not in stops])
+    if c["finish_reason"] == "stop" and c["token_ids"][-1] not in stops:  # a stop string
+      cut = min(i for i in (text.find(" "), text.find("\n")) if i >= 0)
+      assert c["text"] == text[:cut], c
+      shorter = tok.decode([t for t in c["token_ids"][:-1] if t not in stops])
+      assert " " not in shorter and "\n" not in shorter, c  # its last token completes it
+    else:
+      assert c["text"] == text, c
+  after = scrape()
+  assert after["maverick_generation_tokens_total"] - before["maverick_generation_tokens_total"] \
+      == completion
+  assert after["maverick_prompt_tokens_total"] - before["maverick_prompt_tokens_total"] \
+      == prompt_tokens
+  assert after["maverick_time_to_first_token_seconds_count"] - \
+      before["maverick_time_to_first_token_seconds_count"] == 4
+  assert after["maverick_queue_length"] == 0 and after["maverick_slots"] == SLOTS
+
+
 @pytest.mark.parametrize("body,status,words,param", [
     (b"{not json", 400, "not valid JSON", None),
     ({"model": "gpt-5", "prompt": "x"}, 404, "does not exist", "model"),
