@@ -310,7 +310,9 @@ def test_a_body_past_max_request_bytes_is_refused(server):
     (["--port={busy}"], "cannot listen on 127.0.0.1:{busy}: Address already in use; another "
      "process listens there"),
     (["--max_request_bytes=0"], "--max_request_bytes must be >= 1"),
-], ids=["port_too_big", "port_negative", "host", "port_in_use", "max_request_bytes"])
+    (["--api_key= key"], "--api_key / MAVERICK_API_KEY must be non-empty, without surrounding "
+     "spaces"),
+], ids=["port_too_big", "port_negative", "host", "port_in_use", "max_request_bytes", "api_key"])
 def test_bad_listen_flags_are_one_line_before_anything_loads(args, words):
   """Refused before the model loads or compiles (so in seconds): one line, exit status 1."""
   with socket.socket() as busy:
