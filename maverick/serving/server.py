@@ -176,7 +176,6 @@ def _check_text(value, param: str, where: str = "") -> None:
 class _Choice:
   """One engine request of an HTTP request (one of its n x prompts choices)."""
   index: int
-  prompt: int  # which prompt
   handle: Any
   detok: Detokenizer
   arrival: float
@@ -351,7 +350,7 @@ def create_app(server: Server) -> FastAPI:
           server.open_handles[id(handle)] = handle
           detok = Detokenizer(server.tokenizer, handle.stop_ids, o.stops, o.include_stop,
                               o.skip_special)
-          choices.append(_Choice(i, p, handle, detok, arrival))
+          choices.append(_Choice(i, handle, detok, arrival))
     except BaseException as e:
       for c in choices:
         engine.cancel(c.handle)
@@ -390,7 +389,7 @@ def create_app(server: Server) -> FastAPI:
     created = int(time.time())
 
     async def pieces():
-      """(choice, text delta, returned token ids, finish reason or None) until all have ended."""
+      """(choice, text delta, returned token ids) until every choice has its finish reason."""
       running = len(choices)
       try:
         while running:
