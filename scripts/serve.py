@@ -9,10 +9,11 @@ Then: curl localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens
   or  openai.OpenAI(base_url="http://localhost:8000/v1", api_key="none").completions.create(...)
 
 Compiles the step and every prompt-length bucket at start-up (progress on stderr); GET /health
-returns 503 until then, 200 after. Needs the serve extra: pip install 'maverick-jax[serve]'.
+returns 503 until then, 200 after. GET /metrics: Prometheus; --api_key: a bearer key. Needs the serve extra: pip install 'maverick-jax[serve]'.
 """
 
 import errno
+import logging
 import os
 import socket
 import sys
@@ -62,6 +63,11 @@ _BATCH_BUCKETS = flags.DEFINE_list(
     "Fewer = faster start-up, more = less work at low load.")
 _MIN_BUCKET = flags.DEFINE_integer("min_bucket", 16, "Smallest prompt-length bucket (powers of "
                                    "two from it up to --max_seq_len are compiled at start-up).")
+_API_KEY = flags.DEFINE_string(
+    "api_key", None, "Require 'Authorization: Bearer <key>' on every path but /health (401 with "
+    "OpenAI's error body otherwise). Default: the MAVERICK_API_KEY environment variable, else none.")
+_ACCESS_LOG = flags.DEFINE_boolean("access_log", True, "One line per request on stderr (method, "
+                                   "path, status, prompt/completion tokens, latency).")
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id in the API (default: the "
                             "--checkpoint value).")
 
@@ -148,7 +154,16 @@ def build_server():
                   stop_tokens=loaded.stop_tokens, min_bucket=_MIN_BUCKET.value,
                   batch_buckets=_batch_buckets())
   return Server(engine, loaded.tokenizer, _NAME.value or _CHECKPOINT.value,
-                max_request_bytes=_MAX_REQUEST_BYTES.value)
+                max_request_bytes=_MAX_REQUEST_BYTES.value, api_key=_api_key())
+
+
+def _api_key():
+  """--api_key, else $MAVERICK_API_KEY (kept out of `ps` listings), else None."""
+  key = _API_KEY.value if _API_KEY.value is not None else os.environ.get("MAVERICK_API_KEY")
+  if key is not None and (not key or key.strip() != key):
+    raise cli.UsageError("--api_key / MAVERICK_API_KEY must be non-empty, without surrounding "
+                         "spaces")
+  return key
 
 
 def main(argv):
@@ -174,6 +189,9 @@ def _main(argv, compiling: list):
     cli.start(argv)
     if _MAX_REQUEST_BYTES.value is not None and _MAX_REQUEST_BYTES.value < 1:
       raise cli.UsageError(f"--max_request_bytes must be >= 1, got {_MAX_REQUEST_BYTES.value}")
+    _api_key()
+    if _ACCESS_LOG.value:  # absl's handler prints it; absl's own INFO lines stay quiet
+      logging.getLogger("maverick.access").setLevel(logging.INFO)
   except cli.UsageError as e:
     return cli.fail("serve", e)
   # Before the model loads and compiles: a port in use or a bad --host is an error at once, and

@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 import maverick  # noqa: E402
 from param_utils import http_exchange, http_head, single_device_env  # noqa: E402
@@ -210,6 +211,49 @@ def test_disconnect_frees_the_slot(server, client):
   assert c.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
+def test_n_prompt_lists_usage_and_metrics_with_the_engine(server, loaded):
+  """Real engine handles: n x a prompt list, usage equal to the returned ids, /metrics moving by
+  them, and stop-string output that ends where its text does."""
+  from prometheus_client.parser import text_string_to_metric_families
+
+  def scrape():
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if not s.labels}
+
+  tok, stops = loaded.tokenizer, set(loaded.stop_tokens)
+  before = scrape()
+  prompts = ["def fibonacci(n):", [1, 500, 501, 502]]
+  r = httpx.post(f"{server}/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
+      "model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 12, "temperature": 0.9,
+      "seed": 3, "stop": [" ", "\n"], "return_token_ids": True})
+  assert r.status_code == 200, r.text
+  answer = r.json()
+  assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+  prompt_tokens = len(tok.encode(prompts[0])) + len(prompts[1])
+  completion = sum(len(c["token_ids"]) for c in answer["choices"])
+  assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                             "total_tokens": prompt_tokens + completion}
+  for c in answer["choices"]:
+    text = tok.decode([t for t in c["token_ids"] if t not in stops])
+    if c["finish_reason"] == "stop" and c["token_ids"][-1] not in stops:  # a stop string
+      cut = min(i for i in (text.find(" "), text.find("\n")) if i >= 0)
+      assert c["text"] == text[:cut], c
+      shorter = tok.decode([t for t in c["token_ids"][:-1] if t not in stops])
+      assert " " not in shorter and "\n" not in shorter, c  # its last token completes it
+    else:
+      assert c["text"] == text, c
+  after = scrape()
+  assert after["maverick_generation_tokens_total"] - before["maverick_generation_tokens_total"] \
+      == completion
+  assert after["maverick_prompt_tokens_total"] - before["maverick_prompt_tokens_total"] \
+      == prompt_tokens
+  assert after["maverick_time_to_first_token_seconds_count"] - \
+      before["maverick_time_to_first_token_seconds_count"] == 4
+  assert after["maverick_queue_length"] == 0 and after["maverick_slots"] == SLOTS
+
+
 @pytest.mark.parametrize("body,status,words,param", [
     (b"{not json", 400, "not valid JSON", None),
     ({"model": "gpt-5", "prompt": "x"}, 404, "does not exist", "model"),
@@ -218,7 +262,7 @@ def test_disconnect_frees_the_slot(server, client):
     ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p"),
     ({"model": "tiny", "messages": []}, 400, "messages", "messages"),
     ({"model": "tiny", "prompt": [10**9]}, 400, "vocabulary", "prompt"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "'n'", "n"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 400, "'n' must be in [1, 128], got 0", "n"),
     # A prompt that fills the context leaves no max_tokens to lower: the prompt is named.
     ({"model": "tiny", "prompt": [1] * MAX_SEQ_LEN, "max_tokens": 1}, 400,
      f"the prompt has {MAX_SEQ_LEN} tokens and this server's context of {MAX_SEQ_LEN} tokens must "
@@ -266,7 +310,9 @@ def test_a_body_past_max_request_bytes_is_refused(server):
     (["--port={busy}"], "cannot listen on 127.0.0.1:{busy}: Address already in use; another "
      "process listens there"),
     (["--max_request_bytes=0"], "--max_request_bytes must be >= 1"),
-], ids=["port_too_big", "port_negative", "host", "port_in_use", "max_request_bytes"])
+    (["--api_key= key"], "--api_key / MAVERICK_API_KEY must be non-empty, without surrounding "
+     "spaces"),
+], ids=["port_too_big", "port_negative", "host", "port_in_use", "max_request_bytes", "api_key"])
 def test_bad_listen_flags_are_one_line_before_anything_loads(args, words):
   """Refused before the model loads or compiles (so in seconds): one line, exit status 1."""
   with socket.socket() as busy:

@@ -17,35 +17,54 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 from maverick import loading  # noqa: E402
 from maverick import tokenizer as tokenizer_lib  # noqa: E402
-from maverick.serving.engine import Event  # noqa: E402
+from maverick.serving.engine import Event, RequestError  # noqa: E402
 from maverick.serving.server import INLINE_TOKENIZE_BYTES, Server, create_app  # noqa: E402
 from param_utils import http_exchange, http_head  # noqa: E402
 
 LIMIT = 100_000  # --max_request_bytes of the app under test
 CONTEXT = 64
-SHORT = 4  # requests with max_tokens up to this are answered at once by the stub
+HANG = 40  # requests with max_tokens from this on run until cancelled
+STEP = 3  # tokens per stub event (the engine's steps return several tokens too)
 WAIT_S = 10
 
 
 class StubEngine:
-  """What the app uses of an Engine. A request with max_tokens <= SHORT gets its prompt's first
-  tokens back at once; a longer one runs until cancelled (`submitted`, then `cancelled` is set)."""
+  """What the app uses of an Engine. A request's output is its prompt's tokens (repeated), in
+  events of STEP tokens, up to max_tokens or a stop id (included, as the engine does). One with
+  max_tokens >= HANG runs until cancelled (`submitted`, then `cancelled` is set). `calls` keeps
+  every submit's prompt and keywords."""
 
   max_seq_len = CONTEXT
   error = None
+  slots, active, steps, spec_rounds, spec_accepted, released, finished = 4, 0, 0, 0, 0, 0, 0
+  steps_by_batch: dict = {}
 
-  def __init__(self):
+  def __init__(self, eos):
+    self.default_stop = [eos]
     self.submitted, self.cancelled = threading.Event(), threading.Event()
+    self.calls = []
 
-  def submit(self, prompt, callback, *, max_tokens, **_):
-    handle = types.SimpleNamespace(stop_ids=frozenset(), finished=max_tokens <= SHORT)
-    if handle.finished:
-      callback(Event(list(prompt[:max_tokens]), True, "length"))
-    else:
+  def submit(self, prompt, callback, *, max_tokens, stop_tokens=None, **kw):
+    self.calls.append(dict(kw, prompt=list(prompt), max_tokens=max_tokens,
+                           stop_tokens=stop_tokens))
+    if max_tokens > CONTEXT:  # as the engine: the field at fault is named
+      raise RequestError(f"max_tokens ({max_tokens}) does not fit the context", "max_tokens",
+                         "context_length_exceeded")
+    stops = frozenset(self.default_stop if stop_tokens is None else stop_tokens)
+    handle = types.SimpleNamespace(stop_ids=stops, finished=max_tokens < HANG, admitted=0.0)
+    if not handle.finished:
       self.submitted.set()
+      return handle
+    out = [prompt[i % len(prompt)] for i in range(max_tokens)]
+    end = next((i + 1 for i, t in enumerate(out) if t in stops), len(out))
+    for i in range(0, end, STEP):
+      done = i + STEP >= end
+      reason = ("stop" if out[end - 1] in stops else "length") if done else None
+      callback(Event(out[i:min(i + STEP, end)], done, reason))
     return handle
 
   def cancel(self, handle):
@@ -60,11 +79,11 @@ class HeldTokenizer:
     self.tok = tok
     self.started, self.release = threading.Event(), threading.Event()
 
-  def encode(self, text):
+  def encode(self, text, **kw):
     if len(text) > INLINE_TOKENIZE_BYTES:
       self.started.set()
       self.release.wait(WAIT_S * 3)
-    return self.tok.encode(text)
+    return self.tok.encode(text, **kw)
 
   def __getattr__(self, name):
     return getattr(self.tok, name)
@@ -73,7 +92,7 @@ class HeldTokenizer:
 @pytest.fixture(scope="module")
 def app_server():
   tok = HeldTokenizer(tokenizer_lib.load_tokenizer(loading.EMBEDDED["tiny"]))
-  engine = StubEngine()
+  engine = StubEngine(tok.eos_ids[0])
   server = Server(engine, tok, "tiny", max_request_bytes=LIMIT)
   server.ready = True
   sock = socket.socket()
@@ -88,7 +107,8 @@ def app_server():
     time.sleep(0.02)
   assert uv.started
   try:
-    yield types.SimpleNamespace(port=sock.getsockname()[1], engine=engine, tok=tok)
+    yield types.SimpleNamespace(port=sock.getsockname()[1], engine=engine, tok=tok, server=server,
+                                base=f"http://127.0.0.1:{sock.getsockname()[1]}")
   finally:
     uv.should_exit = True
     thread.join(WAIT_S)
@@ -169,3 +189,413 @@ def test_a_half_sent_body_is_one_quiet_line(app_server, caplog):
                                                  if r.levelno >= logging.WARNING], caplog.text
   assert [r.getMessage() for r in caplog.records if "whole body" in r.getMessage()] == [
       "POST /v1/completions: the client left before sending the whole body"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Usage, stop strings, stop ids, n and prompt lists. The stub returns the prompt's own tokens, so
+# the expected output and counts come from the tokenizer alone, not from the server's code.
+# ------------------------------------------------------------------------------------------------
+CODE = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+
+
+def _post(app, body, path="/v1/completions", **kw):
+  return httpx.post(app.base + path, json=body, timeout=WAIT_S, **kw)
+
+
+def _stream(app, body, path="/v1/completions"):
+  """The parsed chunks of a streamed answer (up to `data: [DONE]`, which must come last)."""
+  with httpx.stream("POST", app.base + path, json=dict(body, stream=True), timeout=WAIT_S) as r:
+    assert r.status_code == 200, r.read()
+    lines = [line[len("data: "):] for line in r.iter_lines() if line]
+  assert lines[-1] == "[DONE]", lines
+  return [json.loads(line) for line in lines[:-1]]
+
+
+def _joined(chunks, field="text"):
+  """Per choice index: (concatenated text, token ids, last finish reason)."""
+  out = {}
+  for chunk in chunks:
+    for c in chunk["choices"]:
+      text, ids, reason = out.get(c["index"], ("", [], None))
+      piece = c["delta"].get("content") or "" if "delta" in c else c[field]
+      out[c["index"]] = (text + piece, ids + c.get("token_ids", []), c["finish_reason"] or reason)
+  return out
+
+
+def _prefix_with(tok, ids, words):
+  """The fewest leading tokens of ids whose text holds `words`."""
+  return next(k for k in range(1, len(ids) + 1) if words in tok.decode(ids[:k]))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop"])
+def test_usage_and_token_ids_end_at_the_token_that_completes_the_stop_string(app_server, stream,
+                                                                             include):
+  """Tokens past the stop string arrive in the same engine event; they are neither returned nor
+  counted (before: completion_tokens counted every token of the event)."""
+  tok = app_server.tok.tok
+  ids = tok.encode(CODE)
+  k = _prefix_with(tok, ids, "return")
+  assert k % STEP and k < len(ids)  # the stop's event holds tokens past it
+  text = tok.decode(ids[:k])
+  want = text if include else text[:text.index("return")]
+  body = {"prompt": CODE, "max_tokens": len(ids), "stop": ["zzz", "return"],
+          "return_token_ids": True, "include_stop_str_in_output": include}
+  if stream:
+    chunks = _stream(app_server, dict(body, stream_options={"include_usage": True}))
+    got, usage = _joined(chunks)[0], chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+  else:
+    answer = _post(app_server, body).json()
+    c, usage = answer["choices"][0], answer["usage"]
+    got = (c["text"], c["token_ids"], c["finish_reason"])
+  assert got == (want, ids[:k], "stop")
+  assert usage == {"prompt_tokens": len(ids), "completion_tokens": k,
+                   "total_tokens": len(ids) + k}
+
+
+def test_any_number_of_stop_strings_the_earliest_wins(app_server):
+  tok = app_server.tok.tok
+  ids = tok.encode(CODE)
+  stops = ["never1", "never2", "print", "never3", "+ b", "never4", "never5"]  # before: at most 4
+  c = _post(app_server, {"prompt": CODE, "max_tokens": len(ids), "stop": stops}).json()
+  text = tok.decode(ids[:_prefix_with(tok, ids, "+ b")])
+  assert c["choices"][0]["text"] == text[:text.index("+ b")], c
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_stop_token_ids_join_the_end_of_sequence_ids(app_server, ignore_eos):
+  tok, engine = app_server.tok.tok, app_server.engine
+  ids = tok.encode(CODE)
+  stop_id = ids[7]  # " +" ... any id past the start
+  k = ids.index(stop_id) + 1
+  answer = _post(app_server, {"prompt": CODE, "max_tokens": len(ids), "stop_token_ids": [stop_id],
+                              "ignore_eos": ignore_eos, "return_token_ids": True}).json()
+  assert engine.calls[-1]["stop_tokens"] == ([] if ignore_eos else [tok.eos_ids[0]]) + [stop_id]
+  c = answer["choices"][0]
+  assert (c["text"], c["token_ids"], c["finish_reason"]) == (tok.decode(ids[:k - 1]), ids[:k],
+                                                             "stop")
+  assert answer["usage"]["completion_tokens"] == k
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_times_a_list_of_prompts(app_server, stream):
+  """Choice index = prompt * n + j, drawn with seed + index; usage counts each prompt once and
+  every choice's tokens."""
+  tok, engine = app_server.tok.tok, app_server.engine
+  prompts = ["x = 1\n", "import os\n"]
+  ids = [tok.encode(p) for p in prompts]
+  body = {"prompt": prompts, "n": 2, "seed": 7, "max_tokens": 5, "return_token_ids": True}
+  before = len(engine.calls)
+  if stream:
+    chunks = _stream(app_server, dict(body, stream_options={"include_usage": True}))
+    got, usage = _joined(chunks), chunks[-1]["usage"]
+  else:
+    answer = _post(app_server, body).json()
+    got = {c["index"]: (c["text"], c["token_ids"], c["finish_reason"]) for c in answer["choices"]}
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    usage = answer["usage"]
+  want = [(ids[p] * 2)[:5] for p in (0, 0, 1, 1)]
+  assert got == {i: (tok.decode(w[1:]) if w[0] == tok.bos_id else tok.decode(w), w, "length")
+                 for i, w in enumerate(want)}
+  assert [c["seed"] for c in engine.calls[before:]] == [7, 8, 9, 10]
+  assert [c["prompt"] for c in engine.calls[before:]] == [ids[0], ids[0], ids[1], ids[1]]
+  assert usage == {"prompt_tokens": len(ids[0]) + len(ids[1]), "completion_tokens": 20,
+                   "total_tokens": len(ids[0]) + len(ids[1]) + 20}
+
+
+def test_chat_with_n_streams_a_role_chunk_per_choice(app_server):
+  chunks = _stream(app_server, {"messages": [{"role": "user", "content": "hi"}], "n": 3,
+                                "max_tokens": 4}, "/v1/chat/completions")
+  roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
+  assert roles == [0, 1, 2]
+  assert sorted(_joined(chunks)) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": CONTEXT + 1}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": CONTEXT + 1}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "user": "u",
+                              "max_completion_tokens": CONTEXT + 1}, "max_completion_tokens"),
+], ids=["completions", "chat", "chat_completion_tokens"])
+def test_the_engines_refusal_names_the_field_sent(app_server, path, body, param):
+  r = _post(app_server, body, path)
+  assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+  assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "ok \ud800 no"}),
+    ("/v1/completions", {"prompt": ["fine", "bad \udfff"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}),
+    ("/tokenize", {"prompt": "\ud800"}),
+], ids=["completion", "completion_list", "chat", "tokenize"])
+def test_a_lone_surrogate_is_a_400_and_the_connection_lives_on(app_server, path, body):
+  """Before: HTTP 500 in plain text (the tokenizer's TypeError) and a broken kept-alive
+  connection. json.dumps writes the surrogate as the escape \\ud800, as a client would."""
+  with httpx.Client(base_url=app_server.base, timeout=WAIT_S) as client:
+    r = client.post(path, content=json.dumps(body).encode(),  # ASCII: "\\ud800" escaped
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    param = "messages" if "messages" in body else "prompt"
+    assert err["param"] == param and "lone surrogate" in err["message"], err
+    assert err["type"] == "invalid_request_error"
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+# ------------------------------------------------------------------------------------------------
+# Every parameter of vLLM's request schemas (vllm/entrypoints/openai/protocol.py, CompletionRequest
+# and ChatCompletionRequest) is honoured (a behavioural check below) or refused with 400 naming it.
+# ------------------------------------------------------------------------------------------------
+VLLM_COMPLETION = """model prompt prompt_embeds best_of echo frequency_penalty logit_bias logprobs
+max_tokens n presence_penalty seed stop stream stream_options suffix temperature top_p user
+use_beam_search top_k min_p repetition_penalty length_penalty stop_token_ids
+include_stop_str_in_output ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens
+truncate_prompt_tokens allowed_token_ids prompt_logprobs add_special_tokens response_format
+guided_json guided_regex guided_choice guided_grammar guided_decoding_backend
+guided_whitespace_pattern priority request_id logits_processors return_tokens_as_token_ids
+cache_salt kv_transfer_params vllm_xargs""".split()
+VLLM_CHAT = """messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens
+max_completion_tokens n presence_penalty response_format seed stop stream stream_options
+temperature top_p tools tool_choice reasoning_effort include_reasoning parallel_tool_calls user
+best_of use_beam_search top_k min_p repetition_penalty length_penalty stop_token_ids
+include_stop_str_in_output ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens
+truncate_prompt_tokens prompt_logprobs allowed_token_ids bad_words echo add_generation_prompt
+continue_final_message add_special_tokens documents chat_template chat_template_kwargs
+mm_processor_kwargs guided_json guided_regex guided_choice guided_grammar structural_tag
+guided_decoding_backend guided_whitespace_pattern priority request_id logits_processors
+return_tokens_as_token_ids cache_salt kv_transfer_params vllm_xargs""".split()
+
+# Refused: a value that would change the output (their neutral values are taken, see below).
+REFUSED = {
+    "prompt_embeds": "AAAA", "best_of": 3, "echo": True, "frequency_penalty": 0.5,
+    "logit_bias": {"11": 5}, "logprobs": 2, "top_logprobs": 2, "presence_penalty": 0.5,
+    "suffix": "tail", "use_beam_search": True, "min_p": 0.1, "repetition_penalty": 1.2,
+    "length_penalty": 0.5, "min_tokens": 2, "spaces_between_special_tokens": False,
+    "allowed_token_ids": [1, 2], "prompt_logprobs": 1, "response_format": {"type": "json_object"},
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
+    "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ", "priority": 1, "logits_processors": ["x.y"],
+    "return_tokens_as_token_ids": True, "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+    "reasoning_effort": "low", "bad_words": ["a"], "documents": [{"title": "t", "text": "x"}],
+    "chat_template": "{{ messages }}", "chat_template_kwargs": {"a": 1},
+    "mm_processor_kwargs": {"a": 1}}
+CHAT_REFUSED = {"add_special_tokens": True, "logprobs": True, "top_logprobs": 2}
+# Every refused name at its neutral value: taken (clients that send defaults keep working).
+NEUTRAL = {
+    "best_of": 1, "echo": False, "frequency_penalty": 0, "logit_bias": {}, "logprobs": None,
+    "presence_penalty": 0.0, "suffix": None, "use_beam_search": False, "min_p": 0,
+    "repetition_penalty": 1.0, "length_penalty": 1, "min_tokens": 0, "prompt_logprobs": None,
+    "spaces_between_special_tokens": True, "response_format": {"type": "text"}, "priority": 0,
+    "guided_json": None, "return_tokens_as_token_ids": False, "tools": [], "tool_choice": "none",
+    "bad_words": [], "logits_processors": None, "vllm_xargs": {}}
+
+
+def _eq(got, want):
+  assert got == want
+
+
+def _honoured_checks(app, chat):
+  """name -> a check of what the parameter does (the stub echoes the prompt)."""
+  tok, engine = app.tok.tok, app.engine
+  path = "/v1/chat/completions" if chat else "/v1/completions"
+  base = ({"messages": [{"role": "user", "content": "x = 1"}]} if chat else
+          {"prompt": "\nx = 1"})
+  base_ids = (tok.apply_chat_template(base["messages"]) if chat else tok.encode(base["prompt"]))
+
+  def run(**kw):
+    r = _post(app, dict(base, **dict({"max_tokens": 4}, **kw)), path)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+  def text(answer, i=0):
+    c = answer["choices"][i]
+    return c["message"]["content"] if chat else c["text"]  # chat: "user\n\n" + the message
+
+  def engine_got(key, value, **kw):
+    run(**kw)
+    assert engine.calls[-1][key] == value, (key, engine.calls[-1])
+
+  def stream_usage():
+    chunks = _stream(app, dict(base, max_tokens=3, stream_options={"include_usage": True}), path)
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+  def log_has_user():
+    answer = run(user="alice@example")
+    assert answer["choices"]  # the access-log line is checked in test_access_log_line
+
+  def unknown_model():
+    r = _post(app, dict(base, model="gpt-9"), path)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+  checks = {
+      "model": unknown_model,
+      "max_tokens": lambda: _eq(run()["usage"]["completion_tokens"], 4),
+      "n": lambda: _eq([c["index"] for c in run(n=3)["choices"]], [0, 1, 2]),
+      "seed": lambda: engine_got("seed", 123, seed=123),
+      "temperature": lambda: engine_got("temperature", 0.25, temperature=0.25),
+      "top_p": lambda: engine_got("top_p", 0.5, top_p=0.5),
+      "top_k": lambda: engine_got("top_k", 7, top_k=7),
+      "ignore_eos": lambda: engine_got("stop_tokens", [], ignore_eos=True),
+      "stop_token_ids": lambda: engine_got("stop_tokens", [tok.eos_ids[0], 5], stop_token_ids=[5]),
+      "stop": lambda: _eq(text(run(stop="=", max_tokens=len(base_ids)))[-3:], "\nx "),
+      "include_stop_str_in_output": lambda: _eq(text(run(
+          stop="=", include_stop_str_in_output=True, max_tokens=len(base_ids)))[-4:], "\nx ="),
+      "stream": lambda: _stream(app, dict(base, max_tokens=2), path),
+      "stream_options": stream_usage,
+      "user": log_has_user,
+      "request_id": lambda: _eq(run(request_id="abc")["id"][-4:], "-abc"),
+      "skip_special_tokens": lambda: _eq(text(run(skip_special_tokens=False))[:17],
+                                         "<|begin_of_text|>"),
+      "truncate_prompt_tokens": lambda: engine_got("prompt", base_ids[-2:],
+                                                   truncate_prompt_tokens=2),
+      "cache_salt": lambda: run(cache_salt="s"),  # no prefix cache: nothing to salt
+  }
+  if chat:
+    no_gen = tok.apply_chat_template(base["messages"], add_generation_prompt=False)
+    checks.update(
+        messages=lambda: engine_got("prompt", base_ids),
+        max_completion_tokens=lambda: engine_got("max_tokens", 2, max_completion_tokens=2),
+        add_generation_prompt=lambda: engine_got("prompt", no_gen, add_generation_prompt=False),
+        continue_final_message=lambda: engine_got("prompt", no_gen[:-1],
+                                                  continue_final_message=True),
+        include_reasoning=lambda: run(include_reasoning=False),  # never any reasoning content
+        parallel_tool_calls=lambda: run(parallel_tool_calls=False),  # no tools to call
+        tool_choice=lambda: run(tool_choice="none"))
+  else:
+    checks.update(
+        prompt=lambda: engine_got("prompt", base_ids),
+        add_special_tokens=lambda: engine_got("prompt", base_ids[1:], add_special_tokens=False))
+  return checks
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_every_vllm_parameter_is_honoured_or_refused_by_name(app_server, chat):
+  names = VLLM_CHAT if chat else VLLM_COMPLETION
+  path = "/v1/chat/completions" if chat else "/v1/completions"
+  base = ({"messages": [{"role": "user", "content": "x = 1"}]} if chat else {"prompt": "x = 1"})
+  checks = _honoured_checks(app_server, chat)
+  refused = dict(REFUSED, **(CHAT_REFUSED if chat else {}))
+  untested = [n for n in names if n not in checks and n not in refused]
+  assert not untested, f"neither honoured nor refused: {untested}"
+  for name in names:
+    if name in checks:
+      checks[name]()
+      continue
+    r = _post(app_server, dict(base, **{name: refused[name]}), path)
+    assert r.status_code == 400, (name, r.text)
+    err = r.json()["error"]
+    assert err["param"] == name and f"'{name}'" in err["message"], (name, err)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_neutral_values_and_unknown_names(app_server, chat):
+  path = "/v1/chat/completions" if chat else "/v1/completions"
+  base = ({"messages": [{"role": "user", "content": "x = 1"}]} if chat else {"prompt": "x = 1"})
+  r = _post(app_server, dict(base, max_tokens=2, **NEUTRAL), path)
+  assert r.status_code == 200, r.text
+  for body, name in [({"frobnicate": 1}, "frobnicate"),
+                     ({"messages" if not chat else "prompt": "x"}, "messages" if not chat else
+                      "prompt"),
+                     ({"stream_options": {"include_usage": True}}, "stream_options")]:
+    r = _post(app_server, dict(base, **body), path)
+    assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
+# ------------------------------------------------------------------------------------------------
+# /metrics, --api_key, the access log, /tokenize and /detokenize
+# ------------------------------------------------------------------------------------------------
+def _scrape(app) -> dict:
+  """{(sample name, labels): value} of /metrics, parsed by prometheus_client's own parser."""
+  from prometheus_client.parser import text_string_to_metric_families
+  r = httpx.get(app.base + "/metrics", timeout=WAIT_S)
+  assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value
+          for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_parse_and_move_as_requests_are_served(app_server):
+  tok = app_server.tok.tok
+  ids = tok.encode(CODE)
+  k = _prefix_with(tok, ids, "return")
+  before = _scrape(app_server)
+  ok = (("path", "/v1/completions"), ("status", "200"))
+  for stream in (False, True):
+    body = {"prompt": [CODE, CODE], "max_tokens": len(ids), "stop": "return", "stream": stream}
+    assert _post(app_server, body).status_code == 200
+  after = _scrape(app_server)
+  moved = lambda name, labels=(): after[name, labels] - before.get((name, labels), 0)
+  assert moved("maverick_requests_total", ok) == 2
+  assert moved("maverick_prompt_tokens_total") == 4 * len(ids)
+  assert moved("maverick_generation_tokens_total") == 4 * k  # what usage counts
+  assert moved("maverick_request_finished_total", (("reason", "stop"),)) == 4
+  assert moved("maverick_time_to_first_token_seconds_count") == 4
+  assert moved("maverick_inter_token_latency_seconds_count") == 4 * (k - STEP)  # after event 1
+  assert after["maverick_slots", ()] == StubEngine.slots
+  assert after["maverick_queue_length", ()] == 0
+  for name in ("maverick_slots_busy", "maverick_spec_acceptance_length_count",
+               "maverick_spec_rounds_total", "maverick_spec_accepted_tokens_total",
+               "maverick_engine_steps_total"):
+    assert (name, ()) in after, name
+
+
+@pytest.fixture
+def with_api_key(app_server):
+  app_server.server.api_key = "sekrit-key"
+  try:
+    yield app_server
+  finally:
+    app_server.server.api_key = None
+
+
+@pytest.mark.parametrize("header,status", [
+    (None, 401), ("Bearer wrong", 401), ("sekrit-key", 401), ("Basic sekrit-key", 401),
+    ("Bearer sekrit-key", 200), ("bearer  sekrit-key", 200)],
+    ids=["none", "wrong", "no_scheme", "basic", "right", "case_and_spaces"])
+def test_api_key(with_api_key, header, status):
+  headers = {} if header is None else {"authorization": header}
+  r = _post(with_api_key, {"prompt": "x", "max_tokens": 1}, headers=headers)
+  assert r.status_code == status, r.text
+  if status == 401:
+    assert r.json()["error"]["code"] == "invalid_api_key" and "--api_key" in r.text
+    assert r.headers["www-authenticate"] == "Bearer"
+  for path in ("/v1/models", "/metrics"):  # every path needs it ...
+    assert httpx.get(with_api_key.base + path, headers=headers).status_code == status
+  assert httpx.get(with_api_key.base + "/health").status_code == 200  # ... but /health
+
+
+def test_access_log_line(app_server, caplog):
+  caplog.set_level(logging.INFO, logger="maverick.access")
+  _post(app_server, {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2, "user": "alice"})
+  _post(app_server, {"prompt": "x", "temperature": -1})
+  lines = [r.getMessage() for r in caplog.records if r.name == "maverick.access"]
+  assert len(lines) == 2, lines
+  assert lines[0].startswith('POST /v1/completions 200 prompt_tokens=5 completion_tokens=4 '
+                             'latency=') and lines[0].endswith('s user="alice"'), lines
+  assert lines[1].startswith("POST /v1/completions 400 prompt_tokens=- completion_tokens=- "), lines
+
+
+def test_tokenize_and_detokenize(app_server):
+  tok, post = app_server.tok.tok, lambda path, body: _post(app_server, body, path)
+  r = post("/tokenize", {"prompt": CODE, "return_token_strs": True}).json()
+  ids = tok.encode(CODE)
+  assert r == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids,
+               "token_strs": [tok.hf_tokenizer.id_to_token(t) for t in ids]}
+  assert post("/tokenize", {"prompt": CODE, "add_special_tokens": False}).json()["tokens"] == \
+      tok.encode(CODE, add_bos=False)
+  msgs = [{"role": "user", "content": "hi"}]
+  r = post("/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()
+  assert r["tokens"] == tok.apply_chat_template(msgs, add_generation_prompt=False)
+  assert r["token_strs"] is None
+  assert post("/detokenize", {"tokens": ids}).json() == {"prompt": tok.decode(ids)}
+  for path, body, param in [("/detokenize", {"tokens": [10**9]}, "tokens"),
+                            ("/detokenize", {"tokens": "abc"}, "tokens"),
+                            ("/tokenize", {"prompt": 5}, "prompt"),
+                            ("/tokenize", {"prompt": "x", "extra": 1}, "extra")]:
+    r = post(path, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -1,27 +1,31 @@
 """OpenAI-compatible HTTP API over a `maverick.serving.Engine` (FastAPI on uvicorn).
 
   GET  /health               200 {"status": "ok"} once every program is compiled, 503 before
+  GET  /metrics              Prometheus text (maverick.serving.metrics)
   GET  /v1/models
-  POST /v1/completions       prompt: a string or a list of token ids (one prompt per request)
+  POST /v1/completions       prompt: a string, a list of token ids, or a list of either
   POST /v1/chat/completions  messages through the model's chat template
-Both POSTs stream with "stream": true (server-sent events, then `data: [DONE]`). Extensions:
-"top_k", "ignore_eos" (generate to max_tokens), and "return_token_ids": true adds each choice's
-generated "token_ids". Errors have
-OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 404 for an
-unknown model, 413 for a body over `max_request_bytes`, 503 while starting. Stop strings ("stop")
-are matched on the decoded text here; the model's end-of-sequence tokens stop on device.
+  POST /tokenize, /detokenize  vLLM's shapes
+Both generation POSTs take n >= 1 and stream with "stream": true (server-sent events, then
+`data: [DONE]`); each choice is its own engine request. Parameters are read in
+maverick.serving.params: every name vLLM takes is honoured or refused with 400 naming it. Errors
+have OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 401
+without the API key, 404 for an unknown model, 413 for a body over `max_request_bytes`, 503
+while starting. Stop strings are matched on the decoded text here (the output and usage end at
+the token that completes one); end-of-sequence and stop_token_ids stop on device.
 
 The event loop never waits on a large prompt: bodies are counted while they arrive (refused past the
 limit, never buffered whole) and long texts are tokenized in a worker thread. A client that leaves
-frees its slot, streaming or not.
+frees its slots, streaming or not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
-import math
 import random
 import threading
 import time
@@ -30,28 +34,24 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from maverick.serving.engine import Engine, RequestError
+from maverick.serving import params
+from maverick.serving.metrics import Gateway, Metrics
+from maverick.serving.params import ApiError
 
 log = logging.getLogger(__name__)
 
-MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "user", "assistant")  # what the Llama 4 template renders (no tools)
+EOT_TOKEN = "<|eot|>"  # ends a chat message; left off the last one for continue_final_message
 # Bodies up to this size are tokenized on the event loop (about a millisecond's work); larger ones
 # in a worker thread, so a short request never queues behind a long prompt.
 INLINE_TOKENIZE_BYTES = 4096
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-               "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-               "logit_bias": (None, {}), "response_format": (None, {"type": "text"})}
-
-
-class ApiError(Exception):
-  def __init__(self, status: int, message: str, param: str | None = None,
-               code: str | None = None, kind: str = "invalid_request_error"):
-    super().__init__(message)
-    self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+MAX_CHOICES = 128  # engine requests one HTTP request may start (n x prompts)
+TOKENIZE_NAMES = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                  "continue_final_message", "return_token_strs"}
 
 
 def error_response(status: int, message: str, param=None, code=None,
@@ -68,21 +68,32 @@ def default_max_request_bytes(max_seq_len: int) -> int:
 
 class Server:
   """Holds the engine and tokenizer; `compile_and_start` readies the engine (call in a thread).
-  max_request_bytes: the largest request body taken (default_max_request_bytes by default)."""
+  max_request_bytes: the largest request body taken (default_max_request_bytes by default).
+  api_key: when set, every path but /health needs the header `Authorization: Bearer <api_key>`."""
 
-  def __init__(self, engine: Engine, tokenizer, model_name: str,
-               max_request_bytes: int | None = None):
+  def __init__(self, engine, tokenizer, model_name: str,
+               max_request_bytes: int | None = None, api_key: str | None = None):
     self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
     if max_request_bytes is None:
       max_request_bytes = default_max_request_bytes(engine.max_seq_len)
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) \
         or max_request_bytes < 1:
       raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
-    self.max_request_bytes = max_request_bytes
+    if api_key is not None and not (isinstance(api_key, str) and api_key.strip() == api_key
+                                    and api_key):
+      raise ValueError("api_key must be a non-empty string without surrounding spaces")
+    self.max_request_bytes, self.api_key = max_request_bytes, api_key
     self.ready = False
     self.progress = ""
     self.compile_seconds = None
     self.created = int(time.time())
+    # id -> handle of requests not yet finished or cancelled (the queue-length metric)
+    self.open_handles: dict = {}
+    self.metrics = Metrics(self)
+
+  def queued(self) -> int:
+    """Requests submitted that no slot has taken yet."""
+    return sum(getattr(h, "admitted", None) is None for h in list(self.open_handles.values()))
 
   def compile_and_start(self, progress=None) -> None:
     """progress(name) before each program compiles, progress(None) once ready."""
@@ -97,72 +108,87 @@ class Server:
       progress(None)  # done
 
 
-def _number(body, name, default, lo=None, hi=None, lo_open=False, integer=False):
-  v = body.get(name, default)
-  if v is None:
-    return default
-  ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-  if isinstance(v, bool) or not ok or (not integer and not math.isfinite(v)):
-    raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {v!r}",
-                   name)
-  if lo is not None and (v <= lo if lo_open else v < lo) or hi is not None and v > hi:
-    rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
-    raise ApiError(400, f"'{name}' must be in {rng}, got {v}", name)
-  return v
-
-
-def _boolean(body, name, default=False) -> bool:
-  """A JSON true/false (null: the default); the string "false" is refused, not read as true."""
-  v = body.get(name)
-  if v is None:
-    return default
-  if not isinstance(v, bool):
-    raise ApiError(400, f"'{name}' must be true or false, got {v!r}", name)
-  return v
-
-
-def _stop_strings(body) -> list[str]:
-  stop = body.get("stop")
-  if stop is None:
-    return []
-  if isinstance(stop, str):
-    stop = [stop]
-  if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-    raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
-  if len(stop) > MAX_STOP_STRINGS:
-    raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} sequences", "stop")
-  return stop
-
-
 class Detokenizer:
   """Incremental text of a growing token list, with stop strings: `push` returns the new text
-  that is safe to show (no half character, nothing that may become a stop string)."""
+  that is safe to show (no half character, nothing that may become a stop string) and the tokens
+  that are returned: all, or those up to and including the one that completes a stop string."""
 
-  def __init__(self, tokenizer, stop_ids, stops: list[str]):
+  def __init__(self, tokenizer, stop_ids, stops: list[str], include_stop: bool = False,
+               skip_special: bool = True):
     self.tok, self.stop_ids, self.stops = tokenizer, stop_ids, stops
+    self.include_stop, self.skip_special = include_stop, skip_special
+    self.longest = max(map(len, stops), default=0)
     self.ids: list[int] = []
     self.shown = ""
     self.stopped = False
 
-  def push(self, tokens, final: bool) -> str:
+  def _text(self, tokens) -> str:
+    return self.tok.decode(self.ids + [t for t in tokens if t not in self.stop_ids],
+                           skip_special_tokens=self.skip_special)
+
+  def _stop_at(self, text: str):
+    """The earliest stop string in `text` (after what was shown, which holds none): (start, end)."""
+    frm = max(0, len(self.shown) - self.longest)
+    hits = [(i, i + len(s)) for s in self.stops for i in [text.find(s, frm)] if i >= 0]
+    return min(hits, default=None)
+
+  def push(self, tokens: list[int], final: bool) -> tuple[str, list[int]]:
+    text = self._text(tokens)
+    hit = self._stop_at(text) if self.stops else None
+    if hit is not None:  # the first token whose text completes a stop string ends the output
+      k = next(k for k in range(1, len(tokens) + 1)
+               if self._stop_at(self._text(tokens[:k])) is not None)
+      tokens = tokens[:k]
+      text = self._text(tokens)
+      start, end = self._stop_at(text)
+      text, self.stopped, final = text[:end if self.include_stop else start], True, True
     self.ids += [t for t in tokens if t not in self.stop_ids]
-    text = self.tok.decode(self.ids)
-    cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-    if cut >= 0:
-      text, self.stopped, final = text[:cut], True, True
     if not final:
       text = text.rstrip("\ufffd")
       hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])),
                  default=0)
       text = text[:len(text) - hold]
     if not text.startswith(self.shown):  # a merge changed earlier text: show the rest only
-      return ""
+      return "", tokens
     new, self.shown = text[len(self.shown):], text
-    return new
+    return new, tokens
+
+
+def _check_text(value, param: str, where: str = "") -> None:
+  """Text the tokenizer cannot take (a lone UTF-16 surrogate such as \\ud800, which JSON allows)
+  is a 400 naming where it is, not a tokenizer crash."""
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise ApiError(400, f"'{param}'{where} is not valid Unicode text: character {e.start} is a "
+                     f"lone surrogate {value[e.start]!r}; send UTF-16 surrogates in pairs",
+                     param) from None
+  elif isinstance(value, list):
+    for n, v in enumerate(value):
+      _check_text(v, param, f"{where}[{n}]")
+  elif isinstance(value, dict):
+    for k, v in value.items():
+      _check_text(v, param, f"{where}[{k!r}]")
+
+
+@dataclasses.dataclass(eq=False)
+class _Choice:
+  """One engine request of an HTTP request (one of its n x prompts choices)."""
+  index: int
+  handle: Any
+  detok: Detokenizer
+  arrival: float
+  last: float | None = None
+  text: str = ""
+  ids: list = dataclasses.field(default_factory=list)
+  reason: str | None = None
 
 
 def create_app(server: Server) -> FastAPI:
-  app = FastAPI(title="maverick-jax", docs_url=None, redoc_url=None)
+  app = FastAPI(title="maverick-jax", docs_url=None, redoc_url=None, openapi_url=None)
+  app.add_middleware(Gateway, server=server)
+  engine, metrics = server.engine, server.metrics
 
   @app.exception_handler(ApiError)
   async def _api_error(request, e: ApiError):
@@ -175,24 +201,34 @@ def create_app(server: Server) -> FastAPI:
   async def _http_error(request, e):
     return error_response(e.status_code, str(e.detail), kind="invalid_request_error")
 
+  @app.exception_handler(Exception)
+  async def _bug(request, e):  # OpenAI's body, not plain text; the traceback goes to the log
+    log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+    return error_response(500, f"internal error: {type(e).__name__}; see the server log",
+                          kind="server_error")
+
   @app.get("/health")
   async def health():
-    if server.engine.error is not None:
-      return error_response(500, f"engine failed: {server.engine.error!r}", kind="server_error")
+    if engine.error is not None:
+      return error_response(500, f"engine failed: {engine.error!r}", kind="server_error")
     if not server.ready:
       return JSONResponse({"status": "starting", "compiling": server.progress}, status_code=503)
     return {"status": "ok", "compile_seconds": server.compile_seconds,
-            "active": server.engine.active, "slots": server.engine.slots,
-            "released": server.engine.released, "steps": server.engine.steps,
-            "steps_by_batch": {str(n): c for n, c in server.engine.steps_by_batch.items()},
-            "finished": server.engine.finished, "spec_rounds": server.engine.spec_rounds,
-            "spec_accepted": server.engine.spec_accepted}
+            "active": engine.active, "slots": engine.slots,
+            "released": engine.released, "steps": engine.steps,
+            "steps_by_batch": {str(n): c for n, c in engine.steps_by_batch.items()},
+            "finished": engine.finished, "spec_rounds": engine.spec_rounds,
+            "spec_accepted": engine.spec_accepted}
+
+  @app.get("/metrics")
+  async def prometheus():
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
   @app.get("/v1/models")
   async def models():
     return {"object": "list", "data": [{"id": server.model_name, "object": "model",
                                         "created": server.created, "owned_by": "maverick-jax",
-                                        "max_model_len": server.engine.max_seq_len}]}
+                                        "max_model_len": engine.max_seq_len}]}
 
   @app.exception_handler(ClientDisconnect)
   async def _client_gone(request, e):  # mid-body: nobody to answer, nothing worth a traceback
@@ -218,7 +254,7 @@ def create_app(server: Server) -> FastAPI:
       chunks.append(chunk)
     return b"".join(chunks)
 
-  async def parse(request: Request) -> tuple[dict, int]:
+  async def parse(request: Request, need_engine: bool = True) -> tuple[dict, int]:
     """The request's JSON object, checked for what every POST shares, and its size in bytes."""
     raw = await read_body(request)
     try:
@@ -227,18 +263,13 @@ def create_app(server: Server) -> FastAPI:
       raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
       raise ApiError(400, "the request body must be a JSON object")
-    if not server.ready:
+    if need_engine and not server.ready:
       raise ApiError(503, "the server is still compiling; retry when GET /health returns 200",
                      kind="server_error")
     model = body.get("model")
     if model is not None and model != server.model_name:
       raise ApiError(404, f"the model '{model}' does not exist; this server serves "
                      f"'{server.model_name}' (GET /v1/models)", "model", "model_not_found")
-    for name, defaults in UNSUPPORTED.items():
-      if body.get(name) not in defaults:
-        raise ApiError(400, f"'{name}' is not supported by this server", name)
-    if body.get("n", 1) != 1:
-      raise ApiError(400, "'n' must be 1: this server returns one choice per request", "n")
     return body, len(raw)
 
   async def tokenize(fn, text, size: int):
@@ -248,142 +279,190 @@ def create_app(server: Server) -> FastAPI:
       return fn(text)
     return await asyncio.to_thread(fn, text)
 
-  async def prompt_ids(body, size: int) -> list[int]:
+  async def prompt_ids(body, size: int, add_special: bool) -> list[list[int]]:
+    """Every prompt of a completions request: a string, a list of ids, or a list of either."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-      prompt = prompt[0]
-    if isinstance(prompt, str):
-      if not prompt:
-        raise ApiError(400, "'prompt' is empty", "prompt")
-      return await tokenize(server.tokenizer.encode, prompt, size)
-    if isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-      return prompt
-    raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt "
-                   "per request)", "prompt")
+    is_ids = lambda p: isinstance(p, list) and p and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in p)
+    if isinstance(prompt, str) or is_ids(prompt):
+      prompt = [prompt]
+    if not (isinstance(prompt, list) and prompt and all(
+        (isinstance(p, str) and p) or is_ids(p) for p in prompt)):
+      raise ApiError(400, "'prompt' must be a non-empty string, a list of token ids, or a list of "
+                     "either", "prompt")
+    return [await encode(p, size, add_special) if isinstance(p, str) else p for p in prompt]
 
-  async def chat_ids(body, size: int) -> list[int]:
+  async def encode(text: str, size: int, add_special: bool) -> list[int]:
+    _check_text(text, "prompt")
+    try:
+      return await tokenize(functools.partial(server.tokenizer.encode, add_bos=add_special), text,
+                            size)
+    except (TypeError, ValueError) as e:  # TokenizerError is a ValueError
+      raise ApiError(400, f"the tokenizer refused 'prompt': {e}", "prompt") from None
+
+  async def chat_ids(body, size: int, add_generation_prompt=True, continue_final=False):
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
       raise ApiError(400, "'messages' must be a non-empty list of {'role', 'content'} objects",
                      "messages")
+    _check_text(messages, "messages")
     for n, msg in enumerate(messages):  # malformed messages are left to the template's errors
       role = msg.get("role") if isinstance(msg, dict) else None
       if isinstance(role, str) and role not in CHAT_ROLES:
         raise ApiError(400, f"messages[{n}] has the role {role!r}; the roles are "
                        f"{', '.join(map(repr, CHAT_ROLES))}", "messages")
+    render = functools.partial(server.tokenizer.apply_chat_template,
+                               add_generation_prompt=add_generation_prompt and not continue_final)
     try:
-      return await tokenize(server.tokenizer.apply_chat_template, messages, size)
+      ids = await tokenize(render, messages, size)
     except NotImplementedError as e:
       raise ApiError(400, f"this model has no chat template: {e}", "messages") from None
     except (TypeError, ValueError, KeyError) as e:  # TokenizerError is a ValueError
       raise ApiError(400, f"bad 'messages': {e}", "messages") from None
+    if continue_final:  # the last message stays open: the model continues it
+      eot = server.tokenizer.token_to_id(EOT_TOKEN)
+      if ids and ids[-1] == eot:
+        ids = ids[:-1]
+    return ids
+
+  def submit_all(prompts, o: params.Options, chat: bool, events, loop) -> list[_Choice]:
+    """One engine request per (prompt, n) pair; choice index = prompt * n + j, drawn with seed +
+    index (mod 2**32) when a seed is given. Nothing is left queued when one is refused."""
+    if len(prompts) * o.n > MAX_CHOICES:
+      raise ApiError(400, f"{len(prompts)} prompts x n={o.n} = {len(prompts) * o.n} choices; at "
+                     f"most {MAX_CHOICES} per request", "n")
+    if o.stop_token_ids or o.ignore_eos:
+      base = [] if o.ignore_eos else list(engine.default_stop)
+      stop_tokens = list(dict.fromkeys(base + o.stop_token_ids))
+    else:
+      stop_tokens = None  # the engine's: the model's end-of-sequence tokens
+    choices, arrival = [], time.perf_counter()
+    try:
+      for p, ids in enumerate(prompts):
+        max_tokens = o.max_tokens or max(engine.max_seq_len - len(ids), 1)
+        for j in range(o.n):
+          i = p * o.n + j
+          seed = random.getrandbits(32) if o.seed is None else (o.seed + i) % 2**32
+          handle = engine.submit(
+              ids, lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
+              max_tokens=max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
+              seed=seed, stop_tokens=stop_tokens)
+          server.open_handles[id(handle)] = handle
+          detok = Detokenizer(server.tokenizer, handle.stop_ids, o.stops, o.include_stop,
+                              o.skip_special)
+          choices.append(_Choice(i, handle, detok, arrival))
+    except BaseException as e:
+      for c in choices:
+        engine.cancel(c.handle)
+        server.open_handles.pop(id(c.handle), None)
+      if isinstance(e, ValueError):  # a RequestError names the request field at fault
+        param = getattr(e, "param", None) or ("stop_token_ids" if "stop token" in str(e) else None)
+        param = {"prompt": "messages" if chat else "prompt",
+                 "max_tokens": o.max_tokens_name}.get(param, param)
+        raise ApiError(400, str(e), param, getattr(e, "code", None)) from None
+      if isinstance(e, RuntimeError):  # the engine stopped on an error (also in /health)
+        raise ApiError(500, str(e), kind="server_error") from None
+      raise
+    metrics.prompt_tokens.inc(sum(map(len, prompts)))
+    return choices
 
   async def generate(request: Request, chat: bool):
     body, size = await parse(request)
-    ids = await (chat_ids(body, size) if chat else prompt_ids(body, size))
-    room = server.engine.max_seq_len - len(ids)
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    max_tokens = _number(body, name, None if chat else 16, lo=1, integer=True)
-    if max_tokens is None:
-      max_tokens = max(room, 1)
-    temperature = _number(body, "temperature", 1.0, lo=0, hi=2)
-    top_p = _number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)
-    top_k = _number(body, "top_k", 0, lo=-1, integer=True)
-    seed = _number(body, "seed", None, lo=0, hi=2**32 - 1, integer=True)
-    stops = _stop_strings(body)
-    stream = _boolean(body, "stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-      raise ApiError(400, "'stream_options' must be an object", "stream_options")
-    usage_in_stream = _boolean(opts, "include_usage")
-    want_ids = _boolean(body, "return_token_ids")
-    ignore_eos = _boolean(body, "ignore_eos")
+    o = params.parse_options(body, chat)
+    if chat:
+      prompts = [await chat_ids(body, size, o.add_generation_prompt, o.continue_final)]
+    else:
+      prompts = await prompt_ids(body, size, o.add_special)
+    if o.truncate is not None:  # vLLM's truncate_prompt_tokens: the last k tokens
+      prompts = [p[-o.truncate:] for p in prompts]
+    state = request.scope.setdefault("state", {})  # the access log line reads it
+    usage = state.setdefault("usage", {})
+    if o.user is not None:
+      state["user"] = o.user
+    usage.update(prompt_tokens=sum(map(len, prompts)), completion_tokens=0)
+    usage["total_tokens"] = usage["prompt_tokens"]
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    try:
-      handle = server.engine.submit(
-          ids, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-          max_tokens=max_tokens, temperature=float(temperature), top_k=max(int(top_k), 0),
-          top_p=float(top_p), seed=random.getrandbits(32) if seed is None else seed,
-          stop_tokens=[] if ignore_eos else None)
-    except RequestError as e:  # names the request field at fault
-      param = {"prompt": "messages" if chat else "prompt", "max_tokens": name}.get(e.param, e.param)
-      raise ApiError(400, str(e), param, e.code) from None
-    except ValueError as e:
-      raise ApiError(400, str(e)) from None
-    except RuntimeError as e:  # the engine stopped on an error (also reported by /health)
-      raise ApiError(500, str(e), kind="server_error") from None
-    detok = Detokenizer(server.tokenizer, handle.stop_ids, stops)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    choices = submit_all(prompts, o, chat, events, loop)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{o.request_id or uuid.uuid4().hex}"
     obj = "chat.completion" if chat else "text_completion"
     created = int(time.time())
 
     async def pieces():
-      """(text delta, new token ids, finish reason or None) until the request ends."""
+      """(choice, text delta, returned token ids) until every choice has its finish reason."""
+      running = len(choices)
       try:
-        while True:
-          ev = await events.get()
+        while running:
+          i, ev = await events.get()
+          c = choices[i]
+          if c.reason is not None:  # past a stop string: already ended
+            continue
           if ev.finish_reason == "error":
             raise RuntimeError("the engine failed; see the server log")
-          text = detok.push(ev.tokens, ev.done)
-          reason = "stop" if detok.stopped else ev.finish_reason
-          if detok.stopped:
-            server.engine.cancel(handle)
-          yield text, ev.tokens, reason
-          if reason is not None:
-            return
+          text, toks = c.detok.push(ev.tokens, ev.done)
+          c.reason = "stop" if c.detok.stopped else ev.finish_reason
+          metrics.observe_tokens(c, len(toks), time.perf_counter())
+          c.text += text
+          c.ids += toks
+          usage["completion_tokens"] += len(toks)
+          usage["total_tokens"] += len(toks)
+          if c.reason is not None:
+            running -= 1
+            if not c.handle.finished:  # a stop string: the engine would go on
+              engine.cancel(c.handle)
+            server.open_handles.pop(id(c.handle), None)
+            metrics.finished.labels(c.reason).inc()
+            if getattr(ev, "rounds", 0):
+              metrics.acceptance.observe(ev.accepted / ev.rounds)
+          yield c, text, toks
       finally:
-        if not handle.finished:  # client gone or stop string: free the slot
-          server.engine.cancel(handle)
+        for c in choices:  # client gone, or an error: free the slots
+          if not c.handle.finished:
+            engine.cancel(c.handle)
+          server.open_handles.pop(id(c.handle), None)
 
-    def usage(n):
-      return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-
-    def choice(text, reason, token_ids, delta):
-      c: dict[str, Any] = {"index": 0, "finish_reason": reason}
+    def choice(c: _Choice, text, token_ids, delta, reason):
+      out: dict[str, Any] = {"index": c.index, "finish_reason": reason}
       if chat:
-        c["delta" if delta else "message"] = ({"content": text} if delta else
-                                              {"role": "assistant", "content": text})
+        out["delta" if delta else "message"] = ({"content": text} if delta else
+                                                {"role": "assistant", "content": text})
       else:
-        c["text"], c["logprobs"] = text, None
-      if want_ids:
-        c["token_ids"] = token_ids
-      return c
+        out["text"], out["logprobs"] = text, None
+      if o.return_ids:
+        out["token_ids"] = token_ids
+      return out
 
-    if not stream:
+    if not o.stream:
       async def collect():
-        text, all_ids, reason = "", [], None
-        async for piece, toks, reason in pieces():
-          text += piece
-          all_ids += toks
+        async for _ in pieces():
+          pass
         return {"id": rid, "object": obj, "created": created, "model": server.model_name,
-                "choices": [choice(text, reason, all_ids, False)], "usage": usage(len(all_ids))}
-      # A client that leaves cancels the collecting task, whose `pieces` frees the slot.
+                "choices": [choice(c, c.text, c.ids, False, c.reason) for c in choices],
+                "usage": dict(usage)}
+      # A client that leaves cancels the collecting task, whose `pieces` frees the slots.
       answer = asyncio.ensure_future(collect())
       gone = asyncio.ensure_future(_client_disconnects(request))
       await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
       gone.cancel()
       if not answer.done():
         answer.cancel()
-        await asyncio.wait((answer,))  # its `pieces` has cancelled the request
+        await asyncio.wait((answer,))  # its `pieces` has cancelled the requests
         return Response(status_code=499)  # never sent: the client is gone
       return answer.result()
 
     async def sse():
-      n = 0
       chunk_obj = "chat.completion.chunk" if chat else "text_completion"
       head = {"id": rid, "object": chunk_obj, "created": created, "model": server.model_name}
+      send = lambda **kw: f"data: {json.dumps(dict(head, **kw))}\n\n"
       if chat:
-        first = dict(choice("", None, [], True), delta={"role": "assistant", "content": ""})
-        yield f"data: {json.dumps(dict(head, choices=[first]))}\n\n"
-      async for piece, toks, reason in pieces():
-        n += len(toks)
-        if piece or toks or reason:
-          yield f"data: {json.dumps(dict(head, choices=[choice(piece, reason, toks, True)]))}\n\n"
-      if usage_in_stream:
-        yield f"data: {json.dumps(dict(head, choices=[], usage=usage(n)))}\n\n"
+        for c in choices:
+          first = dict(choice(c, "", [], True, None), delta={"role": "assistant", "content": ""})
+          yield send(choices=[first])
+      async for c, piece, toks in pieces():
+        if piece or toks or c.reason:
+          yield send(choices=[choice(c, piece, toks, True, c.reason)])
+      if o.include_usage:
+        yield send(choices=[], usage=dict(usage))
       yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream")
@@ -395,6 +474,47 @@ def create_app(server: Server) -> FastAPI:
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
     return await generate(request, chat=True)
+
+  @app.post("/tokenize")
+  async def tokenize_endpoint(request: Request):
+    """vLLM's /tokenize: {"prompt"} or {"messages"} -> {count, max_model_len, tokens, token_strs}."""
+    body, size = await parse(request, need_engine=False)
+    unknown = sorted(set(body) - TOKENIZE_NAMES)
+    if unknown:
+      raise ApiError(400, f"'{unknown[0]}' is not a parameter of /tokenize", unknown[0])
+    chat = "messages" in body
+    if chat == ("prompt" in body):
+      raise ApiError(400, "/tokenize takes either 'prompt' or 'messages'", "prompt")
+    add_special = params.boolean(body, "add_special_tokens", not chat)
+    if chat:
+      if add_special:
+        raise ApiError(400, "'add_special_tokens' = true is not supported with 'messages': the "
+                       "chat template adds them", "add_special_tokens")
+      ids = await chat_ids(body, size, params.boolean(body, "add_generation_prompt", True),
+                           params.boolean(body, "continue_final_message"))
+    else:
+      prompt = body.get("prompt")
+      if not isinstance(prompt, str):
+        raise ApiError(400, "'prompt' must be a string", "prompt")
+      ids = await encode(prompt, size, add_special)
+    strs = None
+    if params.boolean(body, "return_token_strs"):
+      strs = [server.tokenizer.hf_tokenizer.id_to_token(t) for t in ids]
+    return {"count": len(ids), "max_model_len": engine.max_seq_len, "tokens": ids,
+            "token_strs": strs}
+
+  @app.post("/detokenize")
+  async def detokenize_endpoint(request: Request):
+    """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+    body, _ = await parse(request, need_engine=False)
+    unknown = sorted(set(body) - {"model", "tokens"})
+    if unknown:
+      raise ApiError(400, f"'{unknown[0]}' is not a parameter of /detokenize", unknown[0])
+    tokens, vocab = body.get("tokens"), server.tokenizer.vocab_size
+    if not (isinstance(tokens, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
+      raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+    return {"prompt": server.tokenizer.decode(tokens)}
 
   return app
 
