@@ -239,11 +239,12 @@ def test_pool_exhaustion_is_all_or_nothing_with_a_clear_error():
   assert not mgr.requests and mgr.pools[B.GLOBAL].available == 3
   with pytest.raises(ValueError, match="multiple of the block size"):
     B.BlockManager({B.GLOBAL: B.BlockPool(4, BS), B.CHUNKED: B.BlockPool(4, BS)}, chunk_size=6)
+  m = _manager()
+  m.admit("x", [1, 2, 3])
   with pytest.raises(ValueError, match="reserve them first"):
-    _manager().commit if False else None
-    m = _manager()
-    m.admit("x", [1, 2, 3])
     m.commit("x", [1, 2, 3, 4, 5])
+  with pytest.raises(ValueError, match="already admitted; release it first"):
+    m.admit("x", [1])
 
 
 @pytest.mark.parametrize("length,rollback,first", [
@@ -303,3 +304,28 @@ def test_fork_shares_cached_blocks_and_copies_the_rest():
   dev.write("b", 10, [1])
   mgr.commit("b", [1])
   assert dev.read("a", B.GLOBAL, range(10)) == prompt  # b's write went to its own copy
+
+
+def test_prefill_in_pieces_holds_at_most_a_chunk_on_chunk_local_layers():
+  """A prompt of 3.5 chunks prefilled one chunk at a time: the chunked pool never holds more than
+  one chunk's blocks (the memory plan's paged + chunk-local count assumes this)."""
+  mgr = _manager(n_global=20, n_chunked=CHUNK // BS)
+  dev = Device(mgr)
+  prompt = list(range(1000, 1000 + 3 * CHUNK + CHUNK // 2))
+  assert mgr.admit("a", prompt, prefill=CHUNK) == 0
+  done = 0
+  while done < len(prompt):
+    piece = prompt[done:done + CHUNK]
+    dev.write("a", done, piece)
+    mgr.commit("a", piece)
+    done += len(piece)
+    mgr.release_invisible("a")
+    if done < len(prompt):
+      mgr.reserve("a", min(CHUNK, len(prompt) - done))
+  assert dev.read("a", B.GLOBAL, range(len(prompt))) == prompt
+  lo = len(prompt) // CHUNK * CHUNK
+  assert dev.read("a", B.CHUNKED, range(lo, len(prompt))) == prompt[lo:]
+  with pytest.raises(B.OutOfBlocks):  # the whole prompt at once does not fit the chunked pool
+    mgr.admit("b", [1] + prompt, prefill=None)
+  with pytest.raises(ValueError, match="prefill must be >= 1"):
+    mgr.admit("c", prompt, prefill=0)

@@ -198,9 +198,13 @@ class BlockManager:
       keys.pop()
     return keys
 
-  def admit(self, rid, prompt: Sequence[int]) -> int:
+  def admit(self, rid, prompt: Sequence[int], *, prefill: int | None = None) -> int:
     """Starts request `rid`: reuses cached prefix blocks, allocates blocks for the rest of the
-    prompt. Returns the number of cached tokens (the device prefills prompt[cached:])."""
+    prompt, or for its next `prefill` tokens (a long prompt prefilled in pieces, each followed by
+    `commit` / `release_invisible` / `reserve`, never holds more than a chunk on chunk-local
+    layers). Returns the number of cached tokens (the device prefills prompt[cached:])."""
+    if prefill is not None and prefill < 1:
+      raise ValueError(f"prefill must be >= 1 tokens, got {prefill}")
     if rid in self.requests:
       raise ValueError(f"request {rid!r} is already admitted; release it first")
     if len(prompt) < 1:
@@ -209,7 +213,9 @@ class BlockManager:
     cached = len(keys) * self.block_size
     hits = {name: [pool.lookup(k) for k in keys[self._first_needed(name, cached):]]
             for name, pool in self.pools.items()}
-    new = -(-len(prompt) // self.block_size) - len(keys)
+    todo = len(prompt) - len(keys) * self.block_size
+    todo = todo if prefill is None else min(todo, prefill)
+    new = -(-(len(keys) * self.block_size + todo) // self.block_size) - len(keys)
     # Checked before anything is taken, so a refusal leaves the pools (and LRU order) untouched.
     short = [name for name, pool in self.pools.items()
              if new > pool.available - sum(pool.refs[b] == 0 for b in hits[name])]
@@ -223,7 +229,7 @@ class BlockManager:
         pool.incref(b)
         req.tables[name].append(b)
     self.requests[rid] = req
-    self.reserve(rid, len(prompt) - cached)
+    self.reserve(rid, todo)
     return cached
 
   def reserve(self, rid, n: int) -> None:
