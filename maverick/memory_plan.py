@@ -334,12 +334,14 @@ class LengthMix:
         self.prompt_sigma, self.output_sigma) < 0:
       raise ValueError(f"length mix needs medians, cap and samples >= 1 and sigmas >= 0: {self}")
 
-  def lengths(self):
-    """Final lengths (prompt + output tokens) of `samples` requests, int64."""
+  def sample(self):
+    """(prompt tokens, final lengths) of `samples` requests, int64: prompts capped at cap - 1 so
+    every request generates at least one token, prompt + output capped at `cap`."""
     rng = np.random.default_rng(self.seed)
     p = np.ceil(rng.lognormal(math.log(self.prompt_median), self.prompt_sigma, self.samples))
     o = np.ceil(rng.lognormal(math.log(self.output_median), self.output_sigma, self.samples))
-    return np.minimum(p + o, self.cap).astype(np.int64)
+    p = np.minimum(p, self.cap - 1)
+    return p.astype(np.int64), np.minimum(p + o, self.cap).astype(np.int64)
 
   def describe(self) -> str:
     return (f"prompt lognormal(median {self.prompt_median:g}, sigma {self.prompt_sigma:g}) + output "
@@ -358,16 +360,24 @@ def kv_token_bytes(cfg: Config, tensor: int, kv_cache: str | None) -> int:
   return 2 * heads * (cfg.head_dim + (4 if kv_cache == "fp8" else 0))
 
 
-def expected_blocks(lengths, *, slack: int, block: int, chunk: int | None = None) -> float:
-  """Mean blocks a request holds at its peak: positions < length + slack (the last round's write
-  window), each block `block` positions. With `chunk` (a chunk-local layer, blocks released as in
-  blocks.BlockManager.release_invisible): at committed length l only [l // chunk * chunk,
-  l + slack) is held, whose largest extent over a request's life is min(length, chunk - 1) + slack
-  (prefill in pieces that do not cross a chunk boundary)."""
-  lengths = np.asarray(lengths, np.int64)
-  if chunk is not None:
-    lengths = np.minimum(lengths, chunk - 1)
-  return float(np.mean(-(-(lengths + slack) // block)))
+def expected_blocks(prompts, lengths, *, slack: int, block: int, chunk: int | None = None) -> float:
+  """Mean of the most blocks each request holds at once, as serving/blocks.py allocates them: the
+  prompt prefilled in pieces that stop at chunk boundaries (`admit(..., prefill=chunk)`), then a
+  round at each committed length l in [prompt, length - 1] reserving positions < l + slack.
+  Global layers: the last round's ceil((length - 1 + slack) / block). Chunk-local layers
+  (`release_invisible` after each commit): [l // chunk * chunk, l + slack) at round l, largest
+  where l % chunk is largest over the decode, or a whole chunk's prefill piece."""
+  p, last = np.asarray(prompts, np.int64), np.asarray(lengths, np.int64) - 1
+  if (p < 1).any() or (last < p).any():
+    raise ValueError("expected_blocks needs 1 <= prompt < length for every request")
+  if chunk is None:
+    return float(np.mean(-(-(last + slack) // block)))
+  if chunk % block:
+    raise ValueError(f"chunk {chunk} must be a multiple of the block {block}")
+  offset = np.where(p // chunk == last // chunk, last % chunk, chunk - 1)
+  decode = -(-(offset + slack) // block)
+  prefill = -(-np.minimum(p, chunk) // block)
+  return float(np.mean(np.maximum(decode, prefill)))
 
 
 @dataclasses.dataclass
@@ -414,9 +424,10 @@ def plan_serving(cfg: Config, *, tensor: int, weight_bytes: int, mix: LengthMix,
   chunked = [i for i in range(cfg.num_hidden_layers) if cfg.is_chunked(i)]
   n_chunked, n_global = len(chunked), cfg.num_hidden_layers - len(chunked)
   draft_tok = 0 if draft_config is None else kv_token_bytes(draft_config.layer, tensor, None)
-  lengths = mix.lengths()
-  paged_blocks = expected_blocks(lengths, slack=slack, block=block)
-  local_blocks = expected_blocks(lengths, slack=slack, block=block, chunk=cfg.attention_chunk_size)
+  prompts, lengths = mix.sample()
+  paged_blocks = expected_blocks(prompts, lengths, slack=slack, block=block)
+  local_blocks = expected_blocks(prompts, lengths, slack=slack, block=block,
+                                 chunk=cfg.attention_chunk_size)
   contiguous_len = -(-(mix.cap + slack) // block) * block  # the engine's capacity on a GPU
   rows = []
   for kv in kv_caches:
