@@ -186,6 +186,25 @@ def run(cfg, sizes: dict[str, int]) -> str:
   return text
 
 
+def _length_mix():
+  from maverick import memory_plan
+  return memory_plan.LengthMix(_PROMPT_MEDIAN.value, _PROMPT_SIGMA.value, _OUTPUT_MEDIAN.value,
+                               _OUTPUT_SIGMA.value, cap=_CONTEXT.value)
+
+
+def _check_serving(cfg) -> None:
+  """--serving's own flags, refused before any device is made."""
+  if _BLOCK.value < 1 or cfg.attention_chunk_size % _BLOCK.value:
+    raise cli.UsageError(f"--block_size {_BLOCK.value} must be >= 1 and divide the chunk size "
+                         f"{cfg.attention_chunk_size} (a block never straddles a chunk)")
+  if _RESERVE_GB.value < 0:
+    raise cli.UsageError(f"--reserve_gb must be >= 0, got {_RESERVE_GB.value}")
+  try:
+    _length_mix()
+  except ValueError as e:
+    raise cli.UsageError(f"--prompt_median/--prompt_sigma/--output_median/--output_sigma: {e}")
+
+
 def run_serving(cfg, sizes: dict[str, int]) -> str:
   import dataclasses
   import json
@@ -195,15 +214,7 @@ def run_serving(cfg, sizes: dict[str, int]) -> str:
   from maverick import memory_plan
   from maverick import sharding
 
-  for name, v in (("block_size", _BLOCK.value), ("reserve_gb", _RESERVE_GB.value + 1)):
-    if v < 1:
-      raise cli.UsageError(f"--{name} must be >= {1 if name == 'block_size' else 0}, got "
-                           f"{_BLOCK.value if name == 'block_size' else _RESERVE_GB.value}")
-  if cfg.attention_chunk_size % _BLOCK.value:
-    raise cli.UsageError(f"--block_size {_BLOCK.value} must divide the chunk size "
-                         f"{cfg.attention_chunk_size} (a block never straddles a chunk)")
-  mix = memory_plan.LengthMix(_PROMPT_MEDIAN.value, _PROMPT_SIGMA.value, _OUTPUT_MEDIAN.value,
-                              _OUTPUT_SIGMA.value, cap=_CONTEXT.value)
+  mix = _length_mix()
   needed = math.prod(sizes.values())
   mesh = sharding.make_mesh(devices=jax.devices()[:needed], **sizes)
   plan = sharding.Plan(mesh, _LAYOUT.value)
@@ -248,6 +259,8 @@ def main(argv):
     cfg = _config()
     sizes = _mesh_sizes()
     _check(cfg, sizes)
+    if _SERVING.value:
+      _check_serving(cfg)
   except ValueError as e:  # UsageError, ConfigError, ShardingError, a draft depth past the limit
     return cli.fail("plan_memory.py", e)
   _request_cpu_devices(math.prod(sizes.values()))

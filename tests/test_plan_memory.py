@@ -290,5 +290,17 @@ def test_script_serving_view(tmp_path):
   cfg = config_lib.tiny(dtype="bfloat16")
   spec = memory_plan.plan_spec_round(cfg, plan, batch=2, context=64, k=3, quant="fp8")
   assert data["rows"][0]["weight_bytes"] == spec.weight_bytes
-  p = _run("--config", "tiny", "--mesh", "2", "--serving", "--block_size", "5")
-  assert p.returncode == 1 and "must divide the chunk size 16" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args,match", [
+    (("--block_size", "5"), "--block_size 5 must be >= 1 and divide the chunk size 8192"),
+    (("--reserve_gb", "-1"), "--reserve_gb must be >= 0"),
+    (("--prompt_sigma", "-0.5"), "sigmas >= 0"),
+    (("--output_median", "0"), "medians, cap and samples >= 1"),
+])
+def test_script_serving_bad_input(args, match):
+  """Refused before any device is made, one line, no traceback (full-size defaults)."""
+  p = subprocess.run([sys.executable, str(SCRIPT), "--serving", *args], env=single_device_env(),
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 1 and match in p.stderr, p.stderr[-2000:]
+  assert "Traceback" not in p.stderr and len(p.stderr.splitlines()) <= 2, p.stderr[-2000:]
