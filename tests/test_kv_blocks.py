@@ -116,7 +116,7 @@ def test_random_operations_against_a_simulated_device():
     lru_before = {name: list(p.lru) for name, p in mgr.pools.items()}
     # Each op only takes blocks or only lets them go, so the eviction check below can count.
     op = rng.choice(["admit", "admit", "extend", "extend", "extend", "slide", "slide", "reserve",
-                     "rollback", "fork", "finish", "cancel"])
+                     "trim", "rollback", "fork", "finish", "cancel"])
     rids = sorted(model)
     try:
       if op == "admit" or not rids:
@@ -144,6 +144,8 @@ def test_random_operations_against_a_simulated_device():
         counts["released"] += len(mgr.release_invisible(rng.choice(rids)))
       elif op == "reserve":  # a device call's window, nothing committed yet
         mgr.reserve(rng.choice(rids), rng.randrange(1, 6))
+      elif op == "trim":
+        mgr.trim(rng.choice(rids), rng.randrange(0, 3))
       elif op == "rollback":
         rid = rng.choice(rids)
         tokens, floor = model[rid]
@@ -187,7 +189,7 @@ def test_random_operations_against_a_simulated_device():
   for pool in mgr.pools.values():
     assert pool.available == pool.num_blocks and not pool.refs.any()
   # The run exercised what it claims to.
-  for what in ("hit", "released", "rollback", "fork", "cancel", "full", "evicted"):
+  for what in ("hit", "released", "rollback", "fork", "cancel", "trim", "full", "evicted"):
     assert counts[what] >= 5, (what, counts)
 
 
@@ -329,3 +331,18 @@ def test_prefill_in_pieces_holds_at_most_a_chunk_on_chunk_local_layers():
     mgr.admit("b", [1] + prompt, prefill=None)
   with pytest.raises(ValueError, match="prefill must be >= 1"):
     mgr.admit("c", prompt, prefill=0)
+
+
+def test_trim_and_padded_tables():
+  mgr = _manager()
+  _admit(mgr, Device(mgr), "a", list(range(6)))  # 2 blocks
+  pool = mgr.pools[B.GLOBAL]
+  mgr.reserve("a", 10)  # positions < 16: 4 blocks
+  assert pool.available == pool.num_blocks - 4
+  mgr.trim("a", 3)  # keep positions < 9: 3 blocks
+  assert pool.available == pool.num_blocks - 3 and len(mgr.table("a")) == 3
+  mgr.trim("a")
+  t = mgr.table("a", width=5)
+  assert t.dtype == np.int32 and list(t[2:]) == [B.NO_BLOCK] * 3 and B.NO_BLOCK not in t[:2]
+  with pytest.raises(ValueError, match="past width 1"):
+    mgr.table("a", width=1)
