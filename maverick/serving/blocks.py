@@ -19,8 +19,9 @@ Pools. A block id names storage for a group of layers at `block_size` positions.
 Prefix caching works per pool with one hash chain (the same tokens give the same hash in both); a
 prefix hit counts only where both pools still hold what the new request will read.
 
-Prefix caching. A block is cached once it is full of committed tokens (the device wrote their K/V):
-its key is hash((parent key, its token ids)), so equal keys mean equal whole prefixes. A cached block
+Prefix caching. A block is cached once it is full of committed tokens (the device wrote their K/V)
+that no rollback can take back: its key is SHA-256 of (parent key, its token ids), so equal keys
+mean equal whole prefixes. A cached block
 whose last holder releases it goes to an LRU list instead of the free list; `allocate` takes free
 blocks first and evicts the least recently released cached block only when none is free. A hit never
 covers the whole prompt (the last prompt token is recomputed for its logits). With a draft
@@ -28,8 +29,13 @@ covers the whole prompt (the last prompt token is recomputed for its logits). Wi
 from the token at p + 1 (EAGLE-3 pairs the target's features at p with the next token), so the block
 after a reused one must match too, and is recomputed.
 
-Writes go only into blocks past every shared one: shared blocks are full and committed, and a fork
-copies the source's partial last block (`fork` returns the copies to make on device).
+Writes go only into blocks past every shared one: shared blocks are cached ones, and a fork copies
+the source's blocks past its cached ones (`fork` returns the copies to make on device).
+
+Speculative windows. A round writes past the committed length (K+1 verify positions, or a tree's
+slots, `TreeShape.cache_slack`) into blocks `reserve` added; every query of the round is at or past
+the committed length, and rejected drafts roll back to no lower, so chunk-local release by the
+committed length (less `rollback`) never frees a block a round or its rollback reads.
 """
 
 from __future__ import annotations
