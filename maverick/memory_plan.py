@@ -33,6 +33,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -309,4 +310,144 @@ def format_reports(title: str, reports, hbm=DEVICES_HBM) -> str:
                      for d, h in hbm.items())
     lines.append(f"{r.name:<18} {gb(r.weight_bytes):>10} {gb(r.kv_bytes):>8} "
                  f"{gb(r.temp_bytes):>8} {gb(r.total_bytes):>9}  {fits}")
+  return "\n".join(lines)
+
+
+# --- Serving view (issue 29): concurrent requests per device under three KV layouts -------------
+# A plan: no engine pages its KV cache yet (maverick/serving/blocks.py is the host-side allocator).
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthMix:
+  """Request lengths of the concurrency plan: prompt and output tokens each lognormal (median,
+  sigma of the log), their sum capped at `cap` (max_seq_len); `samples` draws with `seed`."""
+  prompt_median: float = 2048
+  prompt_sigma: float = 1.0  # p99 = median * e^(2.33 sigma): ~21k tokens at the defaults
+  output_median: float = 512
+  output_sigma: float = 0.7
+  cap: int = 131072
+  samples: int = 100_000
+  seed: int = 0
+
+  def __post_init__(self):
+    if min(self.prompt_median, self.output_median, self.cap, self.samples) < 1 or min(
+        self.prompt_sigma, self.output_sigma) < 0:
+      raise ValueError(f"length mix needs medians, cap and samples >= 1 and sigmas >= 0: {self}")
+
+  def sample(self):
+    """(prompt tokens, final lengths) of `samples` requests, int64: prompts capped at cap - 1 so
+    every request generates at least one token, prompt + output capped at `cap`."""
+    rng = np.random.default_rng(self.seed)
+    p = np.ceil(rng.lognormal(math.log(self.prompt_median), self.prompt_sigma, self.samples))
+    o = np.ceil(rng.lognormal(math.log(self.output_median), self.output_sigma, self.samples))
+    p = np.minimum(p, self.cap - 1)
+    return p.astype(np.int64), np.minimum(p + o, self.cap).astype(np.int64)
+
+  def describe(self) -> str:
+    return (f"prompt lognormal(median {self.prompt_median:g}, sigma {self.prompt_sigma:g}) + output "
+            f"lognormal(median {self.output_median:g}, sigma {self.output_sigma:g}) tokens, capped "
+            f"at {self.cap}; {self.samples} draws, seed {self.seed}")
+
+
+def kv_token_bytes(cfg: Config, tensor: int, kv_cache: str | None) -> int:
+  """Bytes one layer's K and V take per token on one device, KV heads split over `tensor`: the
+  model dtype, or e4m3 plus an f32 scale per KV head ("fp8"), or e4m3 alone ("fp8_static")."""
+  heads = cfg.num_key_value_heads // tensor
+  if kv_cache is None:
+    return 2 * heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+  if kv_cache not in quant_config.KV_FORMATS:
+    raise ValueError(f"kv_cache {kv_cache!r}: use one of {quant_config.KV_FORMATS} or None")
+  return 2 * heads * (cfg.head_dim + (4 if kv_cache == "fp8" else 0))
+
+
+def expected_blocks(prompts, lengths, *, slack: int, block: int, chunk: int | None = None) -> float:
+  """Mean of the most blocks each request holds at once, as serving/blocks.py allocates them: the
+  prompt prefilled in pieces that stop at chunk boundaries (`admit(..., prefill=chunk)`), then a
+  round at each committed length l in [prompt, length - 1] reserving positions < l + slack.
+  Global layers: the last round's ceil((length - 1 + slack) / block). Chunk-local layers
+  (`release_invisible` after each commit): [l // chunk * chunk, l + slack) at round l, largest
+  where l % chunk is largest over the decode, or a whole chunk's prefill piece."""
+  p, last = np.asarray(prompts, np.int64), np.asarray(lengths, np.int64) - 1
+  if (p < 1).any() or (last < p).any():
+    raise ValueError("expected_blocks needs 1 <= prompt < length for every request")
+  if chunk is None:
+    return float(np.mean(-(-(last + slack) // block)))
+  if chunk % block:
+    raise ValueError(f"chunk {chunk} must be a multiple of the block {block}")
+  offset = np.where(p // chunk == last // chunk, last % chunk, chunk - 1)
+  decode = -(-(offset + slack) // block)
+  prefill = -(-np.minimum(p, chunk) // block)
+  return float(np.mean(np.maximum(decode, prefill)))
+
+
+@dataclasses.dataclass
+class ServingRow:
+  device: str
+  kv_cache: str  # "bf16", "fp8", "fp8_static"
+  hbm: float
+  weight_bytes: int  # target + draft, per device
+  reserve_bytes: float  # activations / temporaries / workspace, stated
+  global_token_bytes: int  # per token per device: every global layer + the draft's layer
+  chunked_token_bytes: int  # per token per device: every chunk-local layer
+  contiguous: int  # concurrent requests: every slot max_seq_len + slack positions on every layer
+  paged: int  # blocks for the expected length on every layer
+  paged_chunked: int  # blocks for the expected length on global layers, the chunk on the others
+
+  @property
+  def free_bytes(self) -> float:
+    return self.hbm - self.weight_bytes - self.reserve_bytes
+
+
+def serving_weight_bytes(cfg: Config, plan: sharding.Plan, quant: str, draft_config=None) -> int:
+  """Per-device weights of the target (`quant`) and, if given, the bf16 draft: shard sizes of the
+  abstract models, nothing compiled."""
+  target = model_lib.abstract_model(cfg)
+  sharding.check_model_fits(cfg, plan)
+  sharding.attach_plan(target, plan)
+  _, state, scales = abstract_state(target, plan, quant)
+  total = _state_bytes(state) + _tree_bytes(scales) + static_scale_bytes(scales, quant)
+  if draft_config is not None:
+    draft = draft_lib.abstract_draft(draft_config)
+    sharding.check_model_fits(draft_config.layer, plan, "draft")
+    sharding.attach_plan(draft, plan)
+    total += _state_bytes(abstract_state(draft, plan, "bf16")[1])
+  return total
+
+
+def plan_serving(cfg: Config, *, tensor: int, weight_bytes: int, mix: LengthMix, slack: int,
+                 draft_config=None, block: int = 64, reserve_bytes: float = 8 * GB,
+                 kv_caches=(None, "fp8"), hbm=DEVICES_HBM) -> list[ServingRow]:
+  """Concurrent requests that fit the HBM left after weights and `reserve_bytes`, per device and
+  KV format, for the contiguous (max_seq_len = mix.cap), paged and paged + chunk-local layouts.
+  `slack`: positions a round writes past the committed length (K + 1, a tree's cache slack). The
+  draft's one layer is global attention, in the model dtype whatever the target's KV format."""
+  chunked = [i for i in range(cfg.num_hidden_layers) if cfg.is_chunked(i)]
+  n_chunked, n_global = len(chunked), cfg.num_hidden_layers - len(chunked)
+  draft_tok = 0 if draft_config is None else kv_token_bytes(draft_config.layer, tensor, None)
+  prompts, lengths = mix.sample()
+  paged_blocks = expected_blocks(prompts, lengths, slack=slack, block=block)
+  local_blocks = expected_blocks(prompts, lengths, slack=slack, block=block,
+                                 chunk=cfg.attention_chunk_size)
+  contiguous_len = -(-(mix.cap + slack) // block) * block  # the engine's capacity on a GPU
+  rows = []
+  for kv in kv_caches:
+    per_layer = kv_token_bytes(cfg, tensor, kv)
+    g, c = n_global * per_layer + draft_tok, n_chunked * per_layer
+    for device, h in hbm.items():
+      free = h - weight_bytes - reserve_bytes
+      fit = lambda per_request: max(int(free // per_request), 0)
+      rows.append(ServingRow(
+          device, kv or cfg.dtype.replace("bfloat16", "bf16"), h, weight_bytes, reserve_bytes,
+          g, c, fit(contiguous_len * (g + c)), fit(paged_blocks * block * (g + c)),
+          fit(block * (paged_blocks * g + local_blocks * c))))
+  return rows
+
+
+def format_serving(title: str, rows: list[ServingRow]) -> str:
+  lines = [title, f"{'device':<6} {'KV':<10} {'weights GB':>10} {'free GB':>8} {'global B/tok':>12} "
+           f"{'chunked B/tok':>13} {'contiguous':>10} {'paged':>7} {'paged+chunk-local':>17}"]
+  for r in rows:
+    lines.append(f"{r.device:<6} {r.kv_cache:<10} {r.weight_bytes / GB:>10.2f} "
+                 f"{r.free_bytes / GB:>8.2f} {r.global_token_bytes:>12} {r.chunked_token_bytes:>13} "
+                 f"{r.contiguous:>10} {r.paged:>7} {r.paged_chunked:>17}")
   return "\n".join(lines)

@@ -9,11 +9,17 @@ Examples:
   python scripts/plan_memory.py --config scout --mesh 4 --quant fp8 --context 131072 --batch 8
   python scripts/plan_memory.py --config maverick --quant fp8-modelopt --mesh 8 --draft nvidia-eagle3
   python scripts/plan_memory.py --config maverick --mesh 8 --layout ep --tensor 1 --quant bf16
+
+Serving view (--serving; nothing compiled): KV bytes per token per device and how many requests
+fit at once for a stated length mix, contiguous at --context vs paged vs paged + chunk-local:
+  python scripts/plan_memory.py --config maverick --mesh 8 --quant fp8 --serving
 """
 
 import math
 import os
 import sys
+
+import numpy as np
 
 from absl import app
 from absl import flags
@@ -50,6 +56,21 @@ _SPEC_K = flags.DEFINE_integer("spec_k", 3, "Draft tokens per speculative round 
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(cli.DTYPE_CHOICES),
                            "Model (activation, KV, non-quantized) dtype.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the numbers to this JSON file.")
+_SERVING = flags.DEFINE_bool(
+    "serving", False, "Serving view instead of the compiled programs: concurrent requests per "
+    "device (B200, H200) for bf16 and fp8 KV under three layouts: contiguous rows of --context "
+    "positions, paged (blocks for each request's length), paged + chunk-local (chunked layers "
+    "hold only the current chunk). A plan: no engine pages its KV cache yet.")
+_PROMPT_MEDIAN = flags.DEFINE_float("prompt_median", 2048, "--serving: median prompt tokens.")
+_PROMPT_SIGMA = flags.DEFINE_float("prompt_sigma", 1.0, "--serving: sigma of log prompt length.")
+_OUTPUT_MEDIAN = flags.DEFINE_float("output_median", 512, "--serving: median output tokens.")
+_OUTPUT_SIGMA = flags.DEFINE_float("output_sigma", 0.7, "--serving: sigma of log output length.")
+_RESERVE_GB = flags.DEFINE_float(
+    "reserve_gb", 8.0, "--serving: HBM per device kept for activations, XLA temporaries and "
+    "workspace (stated, not measured; the compiled speculative round's temporaries are ~2 GB "
+    "at batch 8 on CPU).")
+_BLOCK = flags.DEFINE_integer("block_size", 64, "--serving: KV block positions (the decode "
+                              "attention kernel's BLOCK_KV).")
 
 
 def _config():
@@ -165,18 +186,87 @@ def run(cfg, sizes: dict[str, int]) -> str:
   return text
 
 
+def _length_mix():
+  from maverick import memory_plan
+  return memory_plan.LengthMix(_PROMPT_MEDIAN.value, _PROMPT_SIGMA.value, _OUTPUT_MEDIAN.value,
+                               _OUTPUT_SIGMA.value, cap=_CONTEXT.value)
+
+
+def _check_serving(cfg) -> None:
+  """--serving's own flags, refused before any device is made."""
+  if _BLOCK.value < 1 or cfg.attention_chunk_size % _BLOCK.value:
+    raise cli.UsageError(f"--block_size {_BLOCK.value} must be >= 1 and divide the chunk size "
+                         f"{cfg.attention_chunk_size} (a block never straddles a chunk)")
+  if _RESERVE_GB.value < 0:
+    raise cli.UsageError(f"--reserve_gb must be >= 0, got {_RESERVE_GB.value}")
+  try:
+    _length_mix()
+  except ValueError as e:
+    raise cli.UsageError(f"--prompt_median/--prompt_sigma/--output_median/--output_sigma: {e}")
+
+
+def run_serving(cfg, sizes: dict[str, int]) -> str:
+  import dataclasses
+  import json
+
+  import jax
+
+  from maverick import memory_plan
+  from maverick import sharding
+
+  mix = _length_mix()
+  needed = math.prod(sizes.values())
+  mesh = sharding.make_mesh(devices=jax.devices()[:needed], **sizes)
+  plan = sharding.Plan(mesh, _LAYOUT.value)
+  dcfg = memory_plan.nvidia_eagle3(cfg) if _SPEC_K.value else None
+  weights = memory_plan.serving_weight_bytes(cfg, plan, _QUANT.value, dcfg)
+  slack = _SPEC_K.value + 1  # a round writes K+1 positions past the committed length
+  rows = memory_plan.plan_serving(cfg, tensor=sizes["tensor"], weight_bytes=weights, mix=mix,
+                                  slack=slack, draft_config=dcfg, block=_BLOCK.value,
+                                  reserve_bytes=_RESERVE_GB.value * memory_plan.GB)
+  prompts, lengths = mix.sample()
+  n_chunked = sum(cfg.is_chunked(i) for i in range(cfg.num_hidden_layers))
+  blocks = memory_plan.expected_blocks(prompts, lengths, slack=slack, block=_BLOCK.value)
+  local = memory_plan.expected_blocks(prompts, lengths, slack=slack, block=_BLOCK.value,
+                                      chunk=cfg.attention_chunk_size)
+  mesh_desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
+  draft = f"EAGLE-3 K={_SPEC_K.value}" if _SPEC_K.value else "no draft"
+  title = (f"SERVING PLAN (no engine pages its KV cache yet): {_CONFIG.value} {_QUANT.value}, "
+           f"layout {_LAYOUT.value} ({mesh_desc}), {draft}, per device\n"
+           f"layers: {cfg.num_hidden_layers - n_chunked} global + "
+           f"{'1 draft (bf16) ' if dcfg else ''}| {n_chunked} chunk-local (chunk "
+           f"{cfg.attention_chunk_size}); block {_BLOCK.value} positions; round window {slack}\n"
+           f"length mix: {mix.describe()}\n"
+           f"  lengths: mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, p99 "
+           f"{np.percentile(lengths, 99):.0f}; expected blocks per request: {blocks:.2f} "
+           f"(global), {local:.2f} (chunk-local) vs "
+           f"{-(-(_CONTEXT.value + slack) // _BLOCK.value)} contiguous\n"
+           f"free = HBM - weights - {_RESERVE_GB.value:g} GB reserve (activations, temporaries); "
+           f"columns contiguous / paged / paged+chunk-local: concurrent requests")
+  text = memory_plan.format_serving(title, rows)
+  if _JSON.value:
+    cli.write_atomic(_JSON.value, json.dumps({
+        "config": _CONFIG.value, "quant": _QUANT.value, "mesh": dict(mesh.shape),
+        "mix": dataclasses.asdict(mix), "slack": slack, "block_size": _BLOCK.value,
+        "expected_blocks": blocks, "expected_chunk_local_blocks": local,
+        "rows": [dict(dataclasses.asdict(r), free_bytes=r.free_bytes) for r in rows]}, indent=1))
+  return text
+
+
 def main(argv):
   from maverick.sharding_plan import ShardingError
   try:  # the flags, checked before any device is made: each error names its flag
     cfg = _config()
     sizes = _mesh_sizes()
     _check(cfg, sizes)
+    if _SERVING.value:
+      _check_serving(cfg)
   except ValueError as e:  # UsageError, ConfigError, ShardingError, a draft depth past the limit
     return cli.fail("plan_memory.py", e)
   _request_cpu_devices(math.prod(sizes.values()))
   try:
     cli.start(argv)
-    print(run(cfg, sizes))
+    print(run_serving(cfg, sizes) if _SERVING.value else run(cfg, sizes))
   except (cli.UsageError, ShardingError) as e:
     return cli.fail("plan_memory.py", e)
   return 0

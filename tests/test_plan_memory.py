@@ -2,11 +2,13 @@
 arrays and the KV-cache formula; bad input."""
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from maverick import config as config_lib
@@ -173,3 +175,132 @@ def test_script_modelopt_with_nvidia_draft(tmp_path):
   data = json.loads(out.read_text())
   assert data["quant"] == "fp8-modelopt" and data["draft"] == "nvidia-eagle3"
   assert all(r["static_scale_bytes"] > 0 for r in data["reports"])
+
+
+# --- Serving view: hand formulas and the block allocator itself -----------------------------------
+
+
+def _allocator_peak(prompt_len, length, *, slack, bs, chunk):
+  """Peak blocks held (global, chunked) by one request run through serving/blocks.py: the prompt
+  prefilled a chunk at a time, then one token committed per round of `slack` reserved positions."""
+  from maverick.serving import blocks as B
+  mgr = B.BlockManager({B.GLOBAL: B.BlockPool(1000, bs), B.CHUNKED: B.BlockPool(1000, bs)},
+                       chunk_size=chunk)
+  held = lambda name: sum(b != B.NO_BLOCK for b in mgr.requests["r"].tables[name])
+  peak = [0, 0]
+
+  def note():
+    peak[0] = max(peak[0], held(B.GLOBAL))
+    peak[1] = max(peak[1], held(B.CHUNKED))
+
+  tokens = list(range(length))
+  mgr.admit("r", tokens[:prompt_len], prefill=chunk)
+  note()
+  done = 0
+  while done < prompt_len:
+    piece = tokens[done:min(done + chunk, prompt_len)]
+    mgr.commit("r", piece)
+    done += len(piece)
+    mgr.release_invisible("r")
+    if done < prompt_len:
+      mgr.reserve("r", min(chunk, prompt_len - done))
+      note()
+  while done < length:
+    mgr.reserve("r", slack)
+    note()
+    mgr.commit("r", tokens[done:done + 1])
+    done += 1
+    mgr.release_invisible("r")
+  return peak
+
+
+@pytest.mark.parametrize("prompt_len,length", [(1, 2), (3, 5), (10, 15), (14, 17), (16, 30),
+                                               (40, 41), (5, 63), (33, 64), (20, 100)])
+def test_expected_blocks_is_the_allocators_peak(prompt_len, length):
+  bs, chunk, slack = 4, 16, 3
+  g, c = _allocator_peak(prompt_len, length, slack=slack, bs=bs, chunk=chunk)
+  P, L = [prompt_len], [length]
+  assert memory_plan.expected_blocks(P, L, slack=slack, block=bs) == g
+  assert memory_plan.expected_blocks(P, L, slack=slack, block=bs, chunk=chunk) == c
+
+
+def test_length_mix_is_the_stated_lognormals():
+  mix = memory_plan.LengthMix(prompt_median=1000, prompt_sigma=0.5, output_median=200,
+                              output_sigma=0.25, cap=1_000_000, samples=200_000, seed=3)
+  p, x = mix.sample()
+  assert x.dtype == np.int64 and (x > p).all() and (p >= 1).all()
+  # Sum of two lognormals: E = m1 e^(s1^2/2) + m2 e^(s2^2/2) (+1 per ceil, on average ~0.5 each).
+  mean = 1000 * np.exp(0.5 ** 2 / 2) + 200 * np.exp(0.25 ** 2 / 2) + 1
+  assert abs(x.mean() - mean) / mean < 0.01
+  cp, capped = memory_plan.LengthMix(cap=4096, seed=3).sample()
+  assert capped.max() == 4096 and (capped == 4096).mean() > 0.01 and cp.max() == 4095
+  np.testing.assert_array_equal(capped, memory_plan.LengthMix(cap=4096, seed=3).sample()[1])
+  with pytest.raises(ValueError, match="sigmas >= 0"):
+    memory_plan.LengthMix(prompt_sigma=-1)
+
+
+def test_serving_plan_by_hand():
+  """tiny: 8 layers, every 4th NoPE (global): 2 global + 6 chunk-local (chunk 16); 2 KV heads of
+  head_dim 32, over tensor=2: one head per device."""
+  cfg = config_lib.tiny(dtype="bfloat16")
+  dcfg = memory_plan.nvidia_eagle3(cfg)
+  mix = memory_plan.LengthMix(prompt_median=20, prompt_sigma=0.8, output_median=8,
+                              output_sigma=0.5, cap=96, samples=300, seed=1)
+  G = memory_plan.GB
+  hbm = {"X": 10 * G, "Y": 3 * G}
+  rows = memory_plan.plan_serving(cfg, tensor=2, weight_bytes=G, mix=mix, slack=4,
+                                  draft_config=dcfg, block=8, reserve_bytes=0.5 * G,
+                                  kv_caches=(None, "fp8", "fp8_static"), hbm=hbm)
+  assert [(r.device, r.kv_cache) for r in rows] == [
+      ("X", "bf16"), ("Y", "bf16"), ("X", "fp8"), ("Y", "fp8"), ("X", "fp8_static"),
+      ("Y", "fp8_static")]
+  per_layer = {"bf16": 2 * 32 * 2, "fp8": 2 * (32 + 4), "fp8_static": 2 * 32}
+  # Blocks per request: the allocator's own peak, run request by request.
+  peaks = np.array([_allocator_peak(int(p), int(n), slack=4, bs=8, chunk=16)
+                    for p, n in zip(*mix.sample())])
+  paged, local = peaks.mean(axis=0)
+  assert local < paged
+  contiguous = 104  # 96 + 4 rounded up to 8
+  for r in rows:
+    g = 2 * per_layer[r.kv_cache] + 2 * 32 * 2  # 2 global layers + the bf16 draft layer
+    c = 6 * per_layer[r.kv_cache]
+    assert (r.global_token_bytes, r.chunked_token_bytes) == (g, c)
+    free = hbm[r.device] - 1.5 * G
+    assert r.free_bytes == free
+    assert r.contiguous == int(free // (contiguous * (g + c)))
+    assert r.paged == int(free // (paged * 8 * (g + c)))
+    assert r.paged_chunked == int(free // (8 * (paged * g + local * c)))
+    assert r.contiguous < r.paged < r.paged_chunked
+
+
+@pytest.mark.slow
+def test_script_serving_view(tmp_path):
+  out = tmp_path / "serving.json"
+  p = _run("--config", "tiny", "--mesh", "2", "--quant", "fp8", "--serving", "--context", "512",
+           "--prompt_median", "40", "--output_median", "20", "--block_size", "8", "--json_out",
+           str(out))
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert "SERVING PLAN (no engine pages its KV cache yet)" in p.stdout
+  assert "2 global + 1 draft (bf16) | 6 chunk-local (chunk 16)" in p.stdout
+  data = json.loads(out.read_text())
+  assert [(r["device"], r["kv_cache"]) for r in data["rows"]] == [
+      ("B200", "bf16"), ("H200", "bf16"), ("B200", "fp8"), ("H200", "fp8")]
+  # Weights are the compiled plan's (same abstract shards), not a separate estimate.
+  plan = sharding.Plan(sharding.make_mesh(tensor=2, devices=jax.devices()[:2]), "tp")
+  cfg = config_lib.tiny(dtype="bfloat16")
+  spec = memory_plan.plan_spec_round(cfg, plan, batch=2, context=64, k=3, quant="fp8")
+  assert data["rows"][0]["weight_bytes"] == spec.weight_bytes
+
+
+@pytest.mark.parametrize("args,match", [
+    (("--block_size", "5"), "--block_size 5 must be >= 1 and divide the chunk size 8192"),
+    (("--reserve_gb", "-1"), "--reserve_gb must be >= 0"),
+    (("--prompt_sigma", "-0.5"), "sigmas >= 0"),
+    (("--output_median", "0"), "medians, cap and samples >= 1"),
+])
+def test_script_serving_bad_input(args, match):
+  """Refused before any device is made, one line, no traceback (full-size defaults)."""
+  p = subprocess.run([sys.executable, str(SCRIPT), "--serving", *args], env=single_device_env(),
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 1 and match in p.stderr, p.stderr[-2000:]
+  assert "Traceback" not in p.stderr and len(p.stderr.splitlines()) <= 2, p.stderr[-2000:]
