@@ -20,10 +20,10 @@ plan (`sharding.shard_model`) each helper runs the kernel on every device's own 
 `jax.shard_map`, with specs from the plan's rules and the weights' logical axes, and decides
 support on those LOCAL shapes: column-parallel projections produce their local output columns,
 row-parallel ones (o, down) contract their local slice and end with one psum over the contracted
-mesh axes (the layer's one all-reduce, as GSPMD emits on the XLA path), or, where the layer fuses
-it (`Fuse`), with the fused all-reduce + residual + RMSNorm (`allreduce_norm`), attention runs on the
-local q / KV heads and rows. The sharded MoE is already a shard_map: it calls these helpers on
-local shapes with no plan. `placement` / `plan` arguments are a `sharding_plan.Plan` (duck-typed:
+mesh axes (the layer's one all-reduce, as GSPMD emits on the XLA path), or, where the layer
+fuses it (`Fuse`), with the fused all-reduce + residual + RMSNorm (`allreduce_norm`); attention
+runs on the local q / KV heads and rows. The sharded MoE is already a shard_map: it calls these
+helpers on local shapes with no plan (and `fused_allreduce_norm` at its end). `placement` / `plan` arguments are a `sharding_plan.Plan` (duck-typed:
 only its mesh, rules, spec and batch_axis are used), passed in by the model.
 """
 

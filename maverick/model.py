@@ -493,14 +493,15 @@ class DecoderLayer(nnx.Module):
     after it) the plain residual add and norm, the same math."""
     h = self.input_norm(x) if attn_input is None else attn_input
     fusing = kernels_lib.fuses_residual_norm(sharding_plan.plan_of(self.attn), self.attn.kernels)
-    fuse = lambda norm: (kernels_lib.Fuse(x, norm.weight[...], norm.eps, self.attn.kernels)
-                         if fusing and norm is not None else None)
+    fuse = lambda residual, norm: (
+        kernels_lib.Fuse(residual, norm.weight[...], norm.eps, self.attn.kernels)
+        if fusing and norm is not None else None)
     a, layer_cache = self.attn(h, positions, layer_cache, cache_lengths,
                                attend_to_cache=attend_to_cache,
                                positions_from_zero=positions_from_zero, attention_fn=attention_fn,
-                               tree=tree, fuse=fuse(self.post_attn_norm))
+                               tree=tree, fuse=fuse(x, self.post_attn_norm))
     x, h = _residual_norm(x, a, self.post_attn_norm)
-    x, h = _residual_norm(x, self.ffn(h, fuse=fuse(next_norm)), next_norm)
+    x, h = _residual_norm(x, self.ffn(h, fuse=fuse(x, next_norm)), next_norm)
     return (x, layer_cache) if next_norm is None else (x, layer_cache, h)
 
 
@@ -619,7 +620,8 @@ class Llama4(nnx.Module):
       if i in capture:
         captured[i] = x
     if logits_at is not None:
-      at = lambda a: jnp.take_along_axis(a, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+      at = lambda a: jnp.take_along_axis(a, logits_at[:, None, None].astype(jnp.int32),
+                                         axis=1)[:, 0]
       x, h = at(x), None if h is None else at(h)
     new_cache = None
     if cache is not None:
