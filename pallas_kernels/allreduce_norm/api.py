@@ -2,9 +2,9 @@
 the tensor axis, added to the residual stream and RMS-normed, in one kernel (TensorRT-LLM's
 fused all-reduce + residual + RMSNorm). Called INSIDE shard_map on each device's shards.
 
-The all-reduce payload is bf16 on both paths (half the bytes of the f32 sums GSPMD reduces): the
-partials are rounded to bf16 before the reduce, the sum lands in bf16, the residual add and the
-norm run in f32. `residual_norm` is the same math with the sum given (one device; the kernel's
+The all-reduce payload has the residual stream's dtype: bf16 in a bf16 model (the kernel takes only
+that) on both paths, half the bytes of f32 sums; the partials are rounded to it before the
+reduce, the residual add and the norm run in f32. (An f32 model, as tests use, sends f32.) `residual_norm` is the same math with the sum given (one device; the kernel's
 body without the multimem load, which GPU interpret mode can run).
 """
 
@@ -61,14 +61,16 @@ def residual_norm(summed, residual, weight, eps: float, *, implementation: str |
   _validate(summed, residual, weight)
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
-    return reference.residual_norm(summed.astype(PAYLOAD_DTYPE), residual, weight, eps)
+    return reference.residual_norm(summed.astype(reference.payload_dtype(residual.dtype)),
+                                   residual, weight, eps)
   return _flat(lambda x, r, w: kernel.fused(x, r, w, eps), summed, residual, weight)
 
 
 def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
                             implementation: str | None = None):
   """Inside shard_map: (residual + psum(partial) over `axis_name`, its RMSNorm times `weight`).
-  `partial` [..., D]: this device's row-parallel partial sums (any float dtype; sent as bf16);
+  `partial` [..., D]: this device's row-parallel partial sums (any float dtype; sent in the
+  residual's dtype);
   `residual` [..., D] and `weight` [D]: replicated over `axis_name`. The kernel's multimem load
   reduces over every axis of the mesh, so `axis_name` must name all of them (the others of size
   1 may be left out by the caller's plan: see maverick.kernels.allreduce_norm_axes)."""

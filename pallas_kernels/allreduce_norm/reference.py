@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-PAYLOAD_DTYPE = jnp.dtype(jnp.bfloat16)
+PAYLOAD_DTYPE = jnp.dtype(jnp.bfloat16)  # the kernel's payload (its residual and weight too)
 
 
 def residual_norm(summed, residual, weight, eps: float):
@@ -18,7 +18,13 @@ def residual_norm(summed, residual, weight, eps: float):
   return h, y * weight
 
 
+def payload_dtype(residual_dtype):
+  """The all-reduce payload: the residual stream's dtype (bf16 in a bf16 model, never f32 sums
+  there; an f32 model, as tests use, keeps f32: bf16 partials would cost it 1e-2 relative)."""
+  return jnp.dtype(residual_dtype)
+
+
 def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name):
-  """Inside shard_map: the partial sums all-reduced over `axis_name` as a bf16 payload."""
-  summed = jax.lax.psum(partial.astype(PAYLOAD_DTYPE), axis_name)
+  """Inside shard_map: the partial sums all-reduced over `axis_name` as the payload dtype."""
+  summed = jax.lax.psum(partial.astype(payload_dtype(residual.dtype)), axis_name)
   return residual_norm(summed, residual, weight, eps)
