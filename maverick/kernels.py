@@ -20,14 +20,16 @@ plan (`sharding.shard_model`) each helper runs the kernel on every device's own 
 `jax.shard_map`, with specs from the plan's rules and the weights' logical axes, and decides
 support on those LOCAL shapes: column-parallel projections produce their local output columns,
 row-parallel ones (o, down) contract their local slice and end with one psum over the contracted
-mesh axes (the layer's one all-reduce, as GSPMD emits on the XLA path), attention runs on the
-local q / KV heads and rows. The sharded MoE is already a shard_map: it calls these helpers on
-local shapes with no plan. `placement` / `plan` arguments are a `sharding_plan.Plan` (duck-typed:
+mesh axes (the layer's one all-reduce, as GSPMD emits on the XLA path), or, where the layer
+fuses it (`Fuse`), with the fused all-reduce + residual + RMSNorm (`allreduce_norm`); attention
+runs on the local q / KV heads and rows. The sharded MoE is already a shard_map: it calls these
+helpers on local shapes with no plan (and `fused_allreduce_norm` at its end). `placement` / `plan` arguments are a `sharding_plan.Plan` (duck-typed:
 only its mesh, rules, spec and batch_axis are used), passed in by the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -37,6 +39,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from maverick.quant import ops as quant_ops
+from pallas_kernels import allreduce_norm
 from pallas_kernels import common
 from pallas_kernels import decode_attention as decode
 from pallas_kernels import gemm as gemm_lib
@@ -145,31 +148,104 @@ def _rows(plan, batch: int, taken=()):
   return None if set(_mesh_axes(rows)) & set(taken) else rows
 
 
-def _on_shards(plan, local_fn, args, in_specs, out_spec, reduce_axes=()):
+def _on_shards(plan, local_fn, args, in_specs, out_spec, reduce_axes=(), fuse=None):
   """`local_fn(*args)` on every device's shards under shard_map, then a psum over `reduce_axes`
   (a row-parallel product's partial sums). Returns None, emitting nothing, when `local_fn`
-  (a helper above, which returns None to mean "use XLA") declines the LOCAL shapes."""
+  (a helper above, which returns None to mean "use XLA") declines the LOCAL shapes. `fuse`
+  (`local_fn` then never declines): the psum becomes `fused_allreduce_norm` with the residual
+  split like the output; returns (new residual, normed)."""
   is_spec = lambda s: isinstance(s, P)
   local = jax.tree.map(lambda s, a: _local_struct(a, s, plan.mesh), tuple(in_specs), tuple(args),
                        is_leaf=is_spec)
   with selfcheck.on_mesh(plan.mesh):  # the kernel's self-check is keyed by the mesh it runs on
-    if jax.eval_shape(local_fn, *local) is None:
+    if fuse is None and jax.eval_shape(local_fn, *local) is None:
       return None
 
     def body(*shards):
+      if fuse is not None:
+        *shards, r, w = shards
+        return fused_allreduce_norm(local_fn(*shards), r, w, fuse, reduce_axes, plan.mesh)
       y = local_fn(*shards)
       return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
+    if fuse is not None:
+      args, in_specs = (*args, fuse.residual, fuse.weight), (*in_specs, out_spec, P(None))
+      out_spec = (out_spec, out_spec)
     return jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(in_specs), out_specs=out_spec,
                          check_vma=False)(*args)
 
 
-def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, plan, w_axes):
+# ----------------------------------------------------------------------------------------------
+# Fused all-reduce + residual + RMSNorm (the row-parallel sites of a sharded layer)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Fuse:
+  """A fused site's epilogue: the residual stream [..., D] the all-reduced product is added to,
+  and the RMSNorm (weight [D], eps) applied to the sum. `kernels`: the layer's switch."""
+  residual: jax.Array
+  weight: jax.Array
+  eps: float
+  kernels: str | None
+
+
+def fuses_residual_norm(plan, kernels: str | None) -> bool:
+  """Whether a layer's row-parallel sites (o, FFN down / MoE) end in the fused all-reduce +
+  residual + norm: on a sharded model's kernel path (a kernel could run here, so a GPU or
+  interpret mode). The XLA path (and auto off the GPU) keeps GSPMD's all-reduces."""
+  return plan is not None and kernels != "xla" and common.runnable_arch() is not None
+
+
+def _single_node(mesh) -> bool:
+  """multimem needs every peer in one NVLink domain: taken to mean one process (one host)."""
+  return len({d.process_index for d in mesh.devices.flat}) == 1
+
+
+def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mesh):
+  """Inside shard_map: (residual + psum(partial), its RMSNorm) through the multimem kernel when it
+  can run (the reduce covers every mesh axis of size > 1, as multimem reduces over the whole
+  mesh; one host; shapes it takes; and, in auto mode, its self-check on this mesh passed), else
+  psum of the bf16 payload + norm in XLA."""
+  reduce_axes = tuple(reduce_axes)
+  if not reduce_axes:
+    return allreduce_norm.residual_norm(partial, residual, weight, fuse.eps, implementation="xla")
+  whole = all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in reduce_axes)
+  ok = (whole and _single_node(mesh)
+        and allreduce_norm.pallas_support(residual.shape, residual.dtype, weight.dtype)[0])
+  axes = tuple(mesh.axis_names)  # the kernel's collective: the whole mesh (others are size 1)
+  n = mesh.size
+  eps = fuse.eps
+
+  def run(implementation, partials, residual, weight):  # partials: one [..., D] per device
+    def body(p, r, w):
+      return jnp.stack(allreduce_norm.allreduce_residual_norm(
+          p[0], r, w, eps, axes, implementation=implementation))
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P()), out_specs=P(),
+                         check_vma=False)(partials, residual, weight)
+
+  def make_args(rng):
+    return (_normal(rng, (n, *partial.shape), allreduce_norm.PAYLOAD_DTYPE),
+            _normal(rng, residual.shape, residual.dtype),
+            _positive(rng, weight.shape).astype(weight.dtype))
+
+  probe = selfcheck.Probe(
+      "allreduce_norm", f"partial {_sig(partial)} over {n} devices + residual {_sig(residual)}",
+      f"{_sig(partial, residual, weight)} eps={eps} axes={axes}", make_args, run, PROBE_TOL)
+  if use_pallas(fuse.kernels, ok, probe):
+    return allreduce_norm.allreduce_residual_norm(partial, residual, weight, eps, axes,
+                                                  implementation="pallas")
+  return allreduce_norm.allreduce_residual_norm(partial, residual, weight, eps, reduce_axes,
+                                                implementation="xla")
+
+
+def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, plan, w_axes,
+                    fuse=None, xla=None):
   """`linear` per shard: w split as the plan places it (its logical axes), x's contracted axes
   split like w's, x's rows over the plan's batch axes; a sharded contraction (row-parallel o,
   down) ends with one psum. Dynamic FP8 activations are then quantized per token over the LOCAL
   slice (a finer scale than the XLA path's whole-row one, as in the sharded MoE); a static
-  `input_scale` is replicated (one scalar: every shard quantizes exactly as one device does)."""
+  `input_scale` is replicated (one scalar: every shard quantizes exactly as one device does).
+  `fuse`: the psum is the fused all-reduce + residual + norm; a local GEMM the kernel declines
+  then runs `xla` (the einsum's XLA path) on the shards, so the site always fuses."""
   xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
   w_spec = plan.spec(w_axes)
   by_letter = dict(zip(ws, w_spec))
@@ -182,10 +258,12 @@ def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, p
   out_spec = P(*(by_letter[c] if c in ws else by_letter_x[c] for c in out))
   scale_spec = P(*(by_letter[c] for c in ws if c not in contracted))
   reduce_axes = tuple(m for c in contracted for m in _mesh_axes(by_letter[c]))
-  local = lambda x_, w_, s_, si_: linear(spec, x_, w_, s_, quant, kernels, out_dtype,
-                                         input_scale=si_)
+  def local(x_, w_, s_, si_):
+    y = linear(spec, x_, w_, s_, quant, kernels, out_dtype, input_scale=si_)
+    return y if y is not None or fuse is None else xla(x_, w_, s_, si_)
+
   return _on_shards(plan, local, (x, w, scale, input_scale), (x_spec, w_spec, scale_spec, P()),
-                    out_spec, reduce_axes)
+                    out_spec, reduce_axes, fuse if reduce_axes else None)
 
 
 def _static(scale, quant, input_scale) -> bool:
@@ -209,18 +287,21 @@ def _activation_mode(quant, static: bool) -> str:
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | None,
-           out_dtype=None, placement=None, input_scale=None):
+           out_dtype=None, placement=None, input_scale=None, fuse: Fuse | None = None, xla=None):
   """`maverick.quant.einsum` through the Pallas GEMM when the spec is x[batch..., C...] .
   w[C..., O...] (stored K-by-N) or w[O..., C...] (K-major) -> [batch..., O...], which covers every
   projection in the model: the operands then reshape for free into x [M, K] and w [K, N] / [N, K].
   FP8 weights (with `scale`) need the K-major layout; activations are quantized first exactly as
   the XLA path does: per token when `quant` says so, or, in the static mode, with the scalar
   `input_scale` (passed to the kernel as that scalar on every row). `placement` = (plan, w's
-  logical axes as stored) on a sharded model: the GEMM runs per shard (`_sharded_linear`)."""
+  logical axes as stored) on a sharded model: the GEMM runs per shard (`_sharded_linear`), and
+  with `fuse` (a row-parallel site) returns (new residual, normed) (`xla(x, w, scale,
+  input_scale)`: the XLA product, for shards the GEMM kernel declines)."""
   if kernels == "xla":
     return None
   if placement is not None:
-    return _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, *placement)
+    return _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, *placement,
+                           fuse=fuse, xla=xla)
   xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
   contracted = "".join(c for c in xs if c in ws and c not in out)
   n_c = len(contracted)

@@ -284,7 +284,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x_btd, positions_bt, layer_cache=None, cache_lengths=None, *,
                attend_to_cache: bool = True, positions_from_zero: bool = False,
-               attention_fn=None, tree: TreeMask | None = None):
+               attention_fn=None, tree: TreeMask | None = None, fuse=None):
     """Returns (output [B,T,D], (k_cache, v_cache) or None; for an FP8 cache (`layer_cache` of
     4: k, v, k_scale, v_scale) the 4-tuple, new entries quantized per token and kv head).
     Static FP8 KV (`k_cache_scale` set): the cache is (k, v) in e4m3 quantized with the layer's
@@ -297,7 +297,9 @@ class Attention(nnx.Module):
     matrix. `positions_from_zero` declares positions == arange(T) in every row, which lets chunked
     layers compute block by block. `attention_fn(q, k, v) -> out` replaces the attention itself
     (EAGLE-3 training-time test attends across unrolled steps). `tree`: the cache holds a token
-    tree (see TreeMask)."""
+    tree (see TreeMask). `fuse` (maverick.kernels.Fuse): the o projection's all-reduce fused
+    with the residual add and the next norm; the output is then (new residual, normed) where the
+    site fuses (see DecoderLayer)."""
     q, k, v = self.project(x_btd, positions_bt)
     static_scales = None
     if self.k_cache_scale is not None:
@@ -307,7 +309,7 @@ class Attention(nnx.Module):
       k = quant_lib.dequantize(kq, static_scales["k_scale"], (), k.dtype)
       v = quant_lib.dequantize(vq, static_scales["v_scale"], (), v.dtype)
     if attention_fn is not None:
-      return self.output(attention_fn(q, k, v)), None
+      return self.output(attention_fn(q, k, v), fuse), None
     new_cache = None
     if layer_cache is not None:
       new = (k, v)
@@ -333,7 +335,7 @@ class Attention(nnx.Module):
         if out is None:
           mask = cache_mask(positions_bt, new_cache[0].shape[1], self.chunk_size, tree)
           out = attention(q, new_cache[0], new_cache[1], mask, **kv_scales)
-        return self.output(out), new_cache
+        return self.output(out, fuse), new_cache
     if tree is not None:
       raise ValueError("a tree mask needs a KV cache to attend to")
     T = x_btd.shape[1]
@@ -341,12 +343,12 @@ class Attention(nnx.Module):
       out = kernels_lib.prefill_attention(q, k, v, self.chunk_size, self.kernels,
                                           sharding_plan.plan_of(self))
       if out is not None:
-        return self.output(out), new_cache
+        return self.output(out, fuse), new_cache
     if positions_from_zero and self.chunk_size is not None and T > self.chunk_size:
       out = chunked_self_attention(q, k, v, self.chunk_size)
     else:
       out = attention(q, k, v, attention_mask(positions_bt, positions_bt, self.chunk_size))
-    return self.output(out), new_cache
+    return self.output(out, fuse), new_cache
 
   def project(self, x_btd, positions_bt):
     """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""
@@ -368,10 +370,10 @@ class Attention(nnx.Module):
       q = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(q.dtype)
     return q, k, v
 
-  def output(self, out_bthk):
+  def output(self, out_bthk, fuse=None):
     return contraction.einsum("bthk,hkd->btd", out_bthk, self.o[...], _value(self.o_scale),
                               self.quant, kernels=self.kernels, placement=_placement(self, self.o),
-                              input_scale=_value(self.o_input_scale))
+                              input_scale=_value(self.o_input_scale), fuse=fuse)
 
 
 class MLP(nnx.Module):
@@ -392,11 +394,12 @@ class MLP(nnx.Module):
   def input_scales(self):
     return tuple(_value(getattr(self, f"{p}_input_scale")) for p in ("gate", "up", "down"))
 
-  def __call__(self, x):
+  def __call__(self, x, fuse=None):
+    """`fuse`: see DecoderLayer (the down projection's all-reduce)."""
     scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
     placements = tuple(_placement(self, w) for w in (self.gate, self.up, self.down))
     return swiglu(x, self.gate[...], self.up[...], self.down[...], scales, self.quant,
-                  self.kernels, placements, self.input_scales())
+                  self.kernels, placements, self.input_scales(), fuse=fuse)
 
 
 class MoE(nnx.Module):
@@ -424,7 +427,8 @@ class MoE(nnx.Module):
     self.record_balance_loss = False  # training: model.set_attributes(record_balance_loss=True)
     self.kernels = None  # see maverick.kernels
 
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, fuse=None):
+    """`fuse`: see DecoderLayer (the sharded MoE's closing all-reduce)."""
     B, T, D = x_btd.shape
     x = x_btd.reshape(B * T, D)
     scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
@@ -441,7 +445,11 @@ class MoE(nnx.Module):
                           kernels=self.kernels,
                           router_input_scale=_value(self.router_input_scale),
                           input_scales=input_scales,
-                          shared_input_scales=self.shared.input_scales())
+                          shared_input_scales=self.shared.input_scales(),
+                          fuse=None if fuse is None else dataclasses.replace(
+                              fuse, residual=fuse.residual.reshape(B * T, D)))
+      if fuse is not None:
+        return tuple(a.reshape(B, T, D) for a in y)
       return y.reshape(B, T, D)
     top_idx, scores, logits = moe.route(x, self.router[...], self.top_k,
                                         router_scale=_value(self.router_scale), quant=self.quant,
@@ -473,15 +481,36 @@ class DecoderLayer(nnx.Module):
                      name=f"layers.{layer}.mlp.")
 
   def __call__(self, x, positions, layer_cache=None, cache_lengths=None, *, attend_to_cache=True,
-               positions_from_zero=False, attn_input=None, attention_fn=None, tree=None):
+               positions_from_zero=False, attn_input=None, attention_fn=None, tree=None,
+               next_norm: RMSNorm | None = None):
+    """Returns (x, layer_cache), or with `next_norm` (the next layer's input norm, or the final
+    norm) (x, layer_cache, next_norm(x) or None). `attn_input`: the normed input when the caller
+    has it (the previous layer's third output, or the EAGLE-3 draft's [embedding; hidden]).
+
+    On a sharded model's kernel path (`kernels_lib.fuses_residual_norm`) each row-parallel site
+    ends in one fused all-reduce + residual add + RMSNorm: o -> x + a -> post_attn_norm, and FFN
+    down (MoE: routed + shared) -> x + f -> `next_norm`; otherwise (and for a site without a norm
+    after it) the plain residual add and norm, the same math."""
     h = self.input_norm(x) if attn_input is None else attn_input
+    fusing = kernels_lib.fuses_residual_norm(sharding_plan.plan_of(self.attn), self.attn.kernels)
+    fuse = lambda residual, norm: (
+        kernels_lib.Fuse(residual, norm.weight[...], norm.eps, self.attn.kernels)
+        if fusing and norm is not None else None)
     a, layer_cache = self.attn(h, positions, layer_cache, cache_lengths,
                                attend_to_cache=attend_to_cache,
                                positions_from_zero=positions_from_zero, attention_fn=attention_fn,
-                               tree=tree)
-    x = x + a
-    x = x + self.ffn(self.post_attn_norm(x))
-    return x, layer_cache
+                               tree=tree, fuse=fuse(x, self.post_attn_norm))
+    x, h = _residual_norm(x, a, self.post_attn_norm)
+    x, h = _residual_norm(x, self.ffn(h, fuse=fuse(x, next_norm)), next_norm)
+    return (x, layer_cache) if next_norm is None else (x, layer_cache, h)
+
+
+def _residual_norm(x, out, norm):
+  """(x + out, norm(x + out) or None), or `out` itself when the site fused them."""
+  if isinstance(out, tuple):
+    return out
+  x = x + out
+  return x, None if norm is None else norm(x)
 
 
 def token_positions(tokens_bt, positions_bt, cache, prefill: bool, tree=None):
@@ -543,8 +572,9 @@ class Llama4(nnx.Module):
       return quant_lib.dequantize(w[...], scale[...], (1,), jnp.dtype(self.config.dtype)).T
     return w[...].T if self.config.tie_word_embeddings else w[...]
 
-  def logits(self, x_btd):
-    x = self.final_norm(x_btd)
+  def logits(self, x_btd, normed=None):
+    """`normed`: final_norm(x_btd) when the caller has it (the last layer's fused site)."""
+    x = self.final_norm(x_btd) if normed is None else normed
     q = self.config.quant
     if self.config.tie_word_embeddings:
       return contraction.einsum("...d,vd->...v", x, self.embed[...], _value(self.embed_scale), q,
@@ -573,13 +603,16 @@ class Llama4(nnx.Module):
       raise ValueError(f"capture_layers {capture} outside 0..{L - 1}")
 
     x = self.embed_tokens(tokens_bt)
+    h = None  # the next layer's normed input, when a fused site produced it with the residual
     captured = {}
     new_k, new_v, new_scales = [], [], []
     for i, layer in enumerate(self.layers):
       layer_cache = None if cache is None else cache.layer(i)
       lengths = None if cache is None else cache.lengths
-      x, layer_cache = layer(x, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
-                             positions_from_zero=from_zero, tree=tree)
+      next_norm = self.layers[i + 1].input_norm if i + 1 < L else self.final_norm
+      x, layer_cache, h = layer(x, positions_bt, layer_cache, lengths,
+                                attend_to_cache=not prefill, positions_from_zero=from_zero,
+                                tree=tree, attn_input=h, next_norm=next_norm)
       if layer_cache is not None:
         new_k.append(layer_cache[0])
         new_v.append(layer_cache[1])
@@ -587,12 +620,14 @@ class Llama4(nnx.Module):
       if i in capture:
         captured[i] = x
     if logits_at is not None:
-      x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+      at = lambda a: jnp.take_along_axis(a, logits_at[:, None, None].astype(jnp.int32),
+                                         axis=1)[:, 0]
+      x, h = at(x), None if h is None else at(h)
     new_cache = None
     if cache is not None:
       new_cache = kvc.KVCache.from_layers(new_k, new_v, new_scales, cache.lengths + T)
     hidden = jnp.stack([captured[i] for i in capture]) if capture else None
-    return ForwardOutput(logits=self.logits(x), cache=new_cache, hidden=hidden)
+    return ForwardOutput(logits=self.logits(x, h), cache=new_cache, hidden=hidden)
 
 
 def init_model(cfg: Config, seed: int = 0, moe_impl: str = "tiles") -> Llama4:

@@ -214,17 +214,19 @@ def _fp8_experts(x_nd, top_idx, scores, weights, scales, quant, *, impl,
 
 def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Array,
            scales=(None, None, None), quant=None, kernels: str | None = "xla",
-           placements=(None, None, None), input_scales=(None, None, None)) -> jax.Array:
+           placements=(None, None, None), input_scales=(None, None, None), fuse=None):
   """scales: per-output-channel scales of FP8 gate/up/down (None for an unquantized weight);
   placements: the weights' kernel placements on a sharded model (see `_placement`);
-  input_scales: their static activation scales (quant activations "static_per_tensor")."""
+  input_scales: their static activation scales (quant activations "static_per_tensor");
+  fuse: the down projection's all-reduce fused with the residual add and norm
+  (`maverick.kernels.Fuse`; contraction.einsum then may return (new residual, normed))."""
   mm = functools.partial(contraction.einsum, kernels=kernels)
   g = mm("...d,df->...f", x, gate_df, scales[0], quant, placement=placements[0],
          input_scale=input_scales[0])
   u = mm("...d,df->...f", x, up_df, scales[1], quant, placement=placements[1],
          input_scale=input_scales[1])
   return mm("...f,fd->...d", jax.nn.silu(g) * u, down_fd, scales[2], quant,
-            placement=placements[2], input_scale=input_scales[2])
+            placement=placements[2], input_scale=input_scales[2], fuse=fuse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,7 +236,7 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
                 impl: str, router_scale=None, scales=(None, None, None),
                 shared_scales=(None, None, None), quant=None, kernels: str | None = "xla",
                 router_input_scale=None, input_scales=(None, None, None),
-                shared_input_scales=(None, None, None)):
+                shared_input_scales=(None, None, None), fuse=None):
   """Llama 4 MoE (routed + shared expert) inside shard_map with one psum at the end.
 
   shared: (gate [D,F], up [D,F], down [F,D]) of the shared expert. FP8 weights come with their
@@ -243,7 +245,9 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
   `kernels` (maverick.kernels): the grouped GEMM and shared-expert GEMM kernels run here, in the
   shard_map, on the local experts / expert widths. Static FP8 activation scales (router, experts
   (gate, up, down), shared (gate, up, down); f32 scalars) are replicated: quantizing with one
-  global scalar is elementwise, so every shard quantizes its slice exactly as one device would."""
+  global scalar is elementwise, so every shard quantizes its slice exactly as one device would.
+  `fuse` (`maverick.kernels.Fuse`, residual [N, D]): the final psum is the fused all-reduce +
+  residual add + RMSNorm; returns (new residual, normed) [N, D] each."""
   rows = plan.batch_axis(x_nd.shape[0])
   ex, tp = plan.rules["experts"], plan.rules["expert_mlp"]
   # Rows split over the expert axis (data-parallel attention) are gathered before routing, every
@@ -253,7 +257,8 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
                       and not (dp_experts and a == ex))
   P = PartitionSpec
 
-  def local(x_own, router, gate, up, down, sg, su, sd, r_scale, e_scales, s_scales, statics):
+  def local(x_own, router, gate, up, down, sg, su, sd, r_scale, e_scales, s_scales, statics,
+            fused_in):
     r_in, e_in, s_in = statics
     x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
     top_idx, scores, _ = route(x, router, top_k, router_scale=r_scale, quant=quant,
@@ -278,6 +283,9 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
       s = swiglu(x, sg, su, sd, s_scales, quant, kernels, input_scales=s_in)
       if ex is not None:  # every expert shard has the shared expert's slice: count it once
         s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
+    if fuse is not None:
+      r, w = fused_in
+      return kernels_lib.fused_allreduce_norm(y + s, r, w, fuse, reduce_axes, plan.mesh)
     return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s
 
   scale_specs = lambda ss, specs: tuple(None if s is None else p for s, p in zip(ss, specs))
@@ -299,7 +307,9 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
                 w_spec((None, tp), s_up), w_spec((tp, None), s_down),
                 None if router_scale is None else P(None),
                 scale_specs(scales, (P(ex, tp), P(ex, tp), P(ex, None))),
-                scale_specs(shared_scales, (P(tp), P(tp), P(None))), static_specs),
-      out_specs=P(rows, None), check_vma=False)
+                scale_specs(shared_scales, (P(tp), P(tp), P(None))), static_specs,
+                None if fuse is None else (P(rows, None), P(None))),
+      out_specs=P(rows, None) if fuse is None else (P(rows, None),) * 2, check_vma=False)
+  fused_in = None if fuse is None else (fuse.residual, fuse.weight)
   return f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared, router_scale, tuple(scales),
-           tuple(shared_scales), statics)
+           tuple(shared_scales), statics, fused_in)

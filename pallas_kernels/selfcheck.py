@@ -216,9 +216,16 @@ def _first_line(e: BaseException) -> str:
 def _outside_any_trace() -> Iterator[None]:
   """Runs ops eagerly even while a jit is tracing: the probe is its own program. (Unlike
   `jax.ensure_compile_time_eval`, this does not leak eager evaluation into the traced kernel body,
-  where `axis_index` must stay symbolic.)"""
-  with jax_core.set_current_trace(jax_core.eval_trace):
-    yield
+  where `axis_index` must stay symbolic.) Also outside the caller's shard_map: no axis names
+  bound, no manual mesh (a multi-device probe runs its own shard_map over the mesh)."""
+  saved = jax_core.trace_ctx.axis_env
+  jax_core.trace_ctx.set_axis_env(jax_core.top_axis_env)
+  try:
+    with (jax_core.set_current_trace(jax_core.eval_trace),
+          jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))):
+      yield
+  finally:
+    jax_core.trace_ctx.set_axis_env(saved)
 
 
 def _check(probe: Probe) -> tuple[dict, bool]:

@@ -29,7 +29,8 @@ from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
 from maverick import sharding
-from pallas_kernels import common, decode_attention, gemm, grouped_gemm, prefill_attention
+from pallas_kernels import (allreduce_norm, common, decode_attention, gemm, grouped_gemm,
+                            prefill_attention)
 from test_sharding import collectives
 
 B, T, CAPACITY = 2, 40, 128
@@ -46,7 +47,8 @@ def aligned_config():
 
 _ENTRY_POINTS = [(gemm, "gemm"), (grouped_gemm, "grouped_swiglu"),
                  (grouped_gemm, "grouped_matmul"), (prefill_attention, "prefill_attention"),
-                 (decode_attention, "decode_attention")]
+                 (decode_attention, "decode_attention"),
+                 (allreduce_norm, "allreduce_residual_norm")]
 
 
 @pytest.fixture
@@ -59,7 +61,8 @@ def reference_kernels(monkeypatch):
     original = getattr(module, name)
 
     def ref(*args, _original=original, _name=name, **kw):
-      seen.append((_name, tuple(a.shape for a in args if hasattr(a, "shape")), args[0].dtype))
+      seen.append((_name, tuple(a.shape for a in args if hasattr(a, "shape")), args[0].dtype,
+                   kw.get("implementation")))
       return _original(*args, **dict(kw, implementation="xla"))
     monkeypatch.setattr(module, name, ref)
   return seen
@@ -93,12 +96,15 @@ def test_kernel_path_matches_sharded_xla(reference_kernels, layout, mesh_kw, loc
   with pallas_kernels.interpret():
     kernels_lib.set_kernels(model, "pallas")
     out = _prefill_then_decode(model, tokens)
+  # 2e-2: the fused all-reduce + norm sites round the residual to bf16 at their shard_map
+  # boundary, where jitted XLA keeps it in f32 inside a fusion (excess precision; with
+  # --xla_allow_excess_precision=false this is under 1e-2).
   for o, r in zip(out, ref):
     rel = np.linalg.norm(o - r) / np.linalg.norm(r)
-    assert rel < 1e-2 and np.mean(o.argmax(-1) == r.argmax(-1)) >= 0.95, rel
+    assert rel < 2e-2 and np.mean(o.argmax(-1) == r.argmax(-1)) >= 0.95, rel
   # Every kernel ran, on the device's shards only.
   calls = {}
-  for name, shapes, _ in reference_kernels:
+  for name, shapes, *_ in reference_kernels:
     calls.setdefault(name, set()).add(shapes)
   assert set(calls) == {name for _, name in _ENTRY_POINTS}, set(calls)
   r, h, e, f = local["rows"], local["heads"], local["experts"], local["width"]

@@ -27,7 +27,7 @@ def _align(a: jax.Array, subs: str, out: str) -> jax.Array:
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None,
            quant: QuantConfig | None = None, out_dtype=None, kernels: str | None = "xla",
-           placement=None, input_scale: jax.Array | None = None) -> jax.Array:
+           placement=None, input_scale: jax.Array | None = None, fuse=None):
   """`jnp.einsum(spec, x, w)`, with `w` in FP8 when `scale` is given.
 
   Without a scale this IS jnp.einsum (the unquantized model is bit-identical). With one, w is FP8
@@ -42,6 +42,9 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
   `input_scale` (f32 scalar): the static activation scale of `quant.activations ==
   "static_per_tensor"` (x is quantized as e4m3(clip(x / input_scale)), the accumulator multiplied
   by input_scale); the Pallas GEMM takes it as it takes the per-token mode.
+  `fuse` (`maverick.kernels.Fuse`, a row-parallel product on a sharded model's kernel path): the
+  all-reduce is fused with the residual add and the next RMSNorm; returns (new residual, normed)
+  instead of the product when the site fuses (see maverick.kernels.fuses_residual_norm).
   """
   static = scale is not None and quant is not None and quant.static_activations
   if static and input_scale is None:
@@ -50,9 +53,17 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
   if scale is not None:
     spec = kmajor_spec(spec, x.ndim)
   if kernels != "xla":
-    y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype, placement, input_scale)
+    xla = lambda x_, w_, s_, si_: _xla_einsum(spec, x_, w_, s_, quant, out_dtype, si_)
+    y = kernels_lib.linear(spec, x, w, scale, quant, kernels, out_dtype, placement, input_scale,
+                           fuse=fuse, xla=xla)
     if y is not None:
       return y
+  return _xla_einsum(spec, x, w, scale, quant, out_dtype, input_scale)
+
+
+def _xla_einsum(spec, x, w, scale, quant, out_dtype, input_scale):
+  """`einsum`'s XLA path (`spec` already in the stored layout)."""
+  static = scale is not None and quant is not None and quant.static_activations
   if scale is None:
     return jnp.einsum(spec, x, w)
   out_dtype = out_dtype or x.dtype

@@ -1,0 +1,84 @@
+"""`allreduce_residual_norm`: a tensor-parallel layer's row-parallel partial sums all-reduced over
+the tensor axis, added to the residual stream and RMS-normed, in one kernel (TensorRT-LLM's
+fused all-reduce + residual + RMSNorm). Called INSIDE shard_map on each device's shards.
+
+The all-reduce payload has the residual stream's dtype: bf16 in a bf16 model (the kernel takes only
+that) on both paths, half the bytes of f32 sums; the partials are rounded to it before the
+reduce, the residual add and the norm run in f32. (An f32 model, as tests use, sends f32.) `residual_norm` is the same math with the sum given (one device; the kernel's
+body without the multimem load, which GPU interpret mode can run).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import common
+from pallas_kernels.allreduce_norm import kernel, reference
+from pallas_kernels.common import check
+
+PAYLOAD_DTYPE = reference.PAYLOAD_DTYPE
+# Decode and verify rows (B x (K + 1) tokens): one block per row. Prefill (thousands of rows)
+# keeps XLA's all-reduce, whose bandwidth-bound ring is the better fit there.
+MAX_ROWS = 1024
+
+
+def _validate(x, residual, weight):
+  check(residual.ndim >= 1 and x.shape == residual.shape,
+        f"allreduce_residual_norm: partial {x.shape} and residual {residual.shape} must have the "
+        f"same shape [..., D]")
+  check(weight.shape == residual.shape[-1:],
+        f"allreduce_residual_norm: weight has shape {weight.shape}; it must be the norm's [D] = "
+        f"{residual.shape[-1:]}")
+  for name, a in (("partial", x), ("residual", residual), ("weight", weight)):
+    check(jnp.issubdtype(a.dtype, jnp.floating),
+          f"allreduce_residual_norm: {name} has dtype {a.dtype}; it must be a float")
+
+
+def pallas_support(shape, residual_dtype, weight_dtype) -> tuple[bool, str]:
+  """(supported, why not) for the kernel on rows of `shape` [..., D]."""
+  d, m = shape[-1], math.prod(shape[:-1])
+  if kernel.vec_size(d) is None:
+    return False, f"D={d} is not a multiple of {kernel.WARPGROUP * kernel.VEC_SIZES[-1]}"
+  if not 1 <= m <= MAX_ROWS:
+    return False, f"{m} rows; the kernel takes 1..{MAX_ROWS} (decode / verify)"
+  if jnp.dtype(residual_dtype) != PAYLOAD_DTYPE or jnp.dtype(weight_dtype) != PAYLOAD_DTYPE:
+    return False, f"residual / weight {residual_dtype} / {weight_dtype}; the kernel takes bf16"
+  return True, ""
+
+
+def _flat(fn, x, residual, weight):
+  d = residual.shape[-1]
+  h, y = fn(x.reshape(-1, d).astype(PAYLOAD_DTYPE), residual.reshape(-1, d), weight)
+  return h.reshape(residual.shape), y.reshape(residual.shape)
+
+
+def residual_norm(summed, residual, weight, eps: float, *, implementation: str | None = None):
+  """(residual + summed, RMSNorm of it times `weight`) on one device."""
+  _validate(summed, residual, weight)
+  ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
+  if common.resolve(implementation, supported=ok, why=why) == "xla":
+    return reference.residual_norm(summed.astype(reference.payload_dtype(residual.dtype)),
+                                   residual, weight, eps)
+  return _flat(lambda x, r, w: kernel.fused(x, r, w, eps), summed, residual, weight)
+
+
+def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
+                            implementation: str | None = None):
+  """Inside shard_map: (residual + psum(partial) over `axis_name`, its RMSNorm times `weight`).
+  `partial` [..., D]: this device's row-parallel partial sums (any float dtype; sent in the
+  residual's dtype);
+  `residual` [..., D] and `weight` [D]: replicated over `axis_name`. The kernel's multimem load
+  reduces over every axis of the mesh, so `axis_name` must name all of them (the others of size
+  1 may be left out by the caller's plan: see maverick.kernels.allreduce_norm_axes)."""
+  _validate(partial, residual, weight)
+  ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
+  if common.resolve(implementation, supported=ok, why=why) == "xla":
+    return reference.allreduce_residual_norm(partial, residual, weight, eps, axis_name)
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  n = math.prod(lax.axis_size(a) for a in axes)
+  return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, collective_axes=axes, num_devices=n),
+               partial, residual, weight)

@@ -1,0 +1,75 @@
+"""The Mosaic GPU kernel: one warpgroup per row of [M, D].
+
+Each block loads its row of the partial sums summed over every device of the tensor axis with
+one NVLink multimem `ld_reduce` per vector (`plgpu.multimem_load_reduce`: the switch adds the
+peers' copies, no staging buffer, no second kernel), adds the residual in f32, rounds it to the
+residual dtype (the new residual, as the model's `x + a`), and writes it and its RMSNorm. The
+row's mean square is a warpgroup reduction of the strided fragments: D = 5120 is 40 elements per
+thread, so a whole row sits in registers and the norm needs no second pass over memory.
+
+`multimem=False` swaps the multimem load for a plain load of an already summed row: the same
+body on one device, which GPU interpret mode can run (multi-device kernels cannot), so the
+residual + norm math is tested on CPU. The reduce is the only difference between the two.
+
+Synchronisation (multimem reads the peers' buffers): every block signals a `ready` semaphore on
+all devices before it reads and waits until every device did, so no device reads a peer's input
+before that peer's kernel started (its input is then written); after reading, a `done` barrier
+keeps every device's input alive until all peers finished reading it (as jax's
+`reduce_scatter_mgpu` does).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# multimem ld_reduce works on 32-bit words at least: 2 bf16 per vector minimum; 8 bf16 = 16 B.
+VEC_SIZES = (8, 4, 2)
+WARPGROUP = 128
+
+
+def vec_size(d: int) -> int | None:
+  """The widest vector that tiles a row of `d` over one warpgroup, or None."""
+  return next((v for v in VEC_SIZES if d % (WARPGROUP * v) == 0), None)
+
+
+def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_devices: int = 1):
+  """(new residual, normed), both [M, D] in residual.dtype. `collective_axes`: the mesh axes the
+  multimem load reduces over (inside shard_map; `num_devices` devices in all), or None for the
+  single-device body (`partial` already summed)."""
+  m, d = residual.shape
+  vec = vec_size(d)
+  layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
+  multimem = collective_axes is not None
+
+  def body(x_ref, r_ref, w_ref, h_ref, y_ref, *sems):
+    row = lax.axis_index("rows")
+    if multimem:
+      ready, done = sems
+      plgpu.semaphore_signal_multicast(ready, collective_axes=collective_axes)
+      pl.semaphore_wait(ready, num_devices, decrement=False)
+      s = plgpu.layout_cast(
+          plgpu.multimem_load_reduce(x_ref.at[row], collective_axes=collective_axes,
+                                     reduction_op="add"), layout)
+    else:
+      s = plgpu.layout_cast(x_ref[row], layout)
+    r = plgpu.layout_cast(r_ref[row], layout)
+    h = (r.astype(jnp.float32) + s.astype(jnp.float32)).astype(h_ref.dtype)
+    hf = h.astype(jnp.float32)
+    inv = lax.rsqrt(jnp.sum(hf * hf) * (1.0 / d) + eps)
+    w = plgpu.layout_cast(w_ref[...], layout)
+    h_ref[row] = h
+    y_ref[row] = (hf * inv).astype(y_ref.dtype) * w
+    if multimem:
+      plgpu.semaphore_signal_multicast(done, collective_axes=collective_axes)
+      pl.semaphore_wait(done, num_devices, decrement=False)
+
+  out = jax.ShapeDtypeStruct((m, d), residual.dtype)
+  sems = [plgpu.SemaphoreType.REGULAR] * 2 if multimem else []
+  return plgpu.kernel(body, out_type=(out, out), grid=(m,), grid_names=("rows",),
+                      scratch_types=sems)(partial, residual, weight)
