@@ -205,7 +205,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   q = q.reshape(B, T, K, H // K, Dh)
   if k_scale is not None:
     k = k.astype(q.dtype)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  # Operand order matters on XLA:GPU (jnp.einsum picks it by its own rules): the dot is put in
+  # canonical form, lhs [batch, free, contracted] and rhs [batch, contracted, free]. The cache
+  # [B, S, K, Dh] (Dh minor) is then read as stored when K is the lhs (contracting Dh) and V the
+  # rhs (contracting S): with one kv head per device ([B, K, S, Dh] is a bitcast) no step copies or
+  # transposes a whole cache; V as the lhs had each step transpose V to [B, K, Dh, S] and back.
+  scores = jax.lax.dot_general(k, q, (((3,), (4,)), ((0, 2), (0, 2))),
+                               preferred_element_type=jnp.float32)  # [B, K, S, T, G]
+  scores = jnp.transpose(scores, (0, 1, 4, 3, 2))
   if k_scale is not None:
     scores = scores * _per_slot(k_scale)
   scores = scores * (Dh ** -0.5)
@@ -215,7 +222,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     probs = probs * _per_slot(v_scale)
     v = v.astype(q.dtype)
   probs = probs.astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+  out = jax.lax.dot_general(probs, v, (((4,), (1,)), ((0, 1), (0, 2))),
+                            preferred_element_type=jnp.float32)  # [B, K, G, T, Dh]
+  out = jnp.transpose(out, (0, 3, 1, 2, 4))
   return out.reshape(B, T, H, Dh).astype(q.dtype)
 
 

@@ -9,6 +9,7 @@ autotuning (there is no device), so matmul configurations are XLA's defaults.
   bash tools/setup.sh cuda12      # the CUDA build of the installed jax (brings ptxas)
   .venv/bin/python scripts/gpu_compile_check.py            # H200 and B200, ~10 min on 2 cores
   .venv/bin/python scripts/gpu_compile_check.py --gpus h200 --kernels xla --checks decode
+  .venv/bin/python scripts/gpu_compile_check.py --checks decode --programs step   # the step only
 
 Checks, per GPU:
   decode  the Maverick FP8 TP8 decode step (one token, all 48 layers, ModelOpt-style FP8 weights,
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 GPUS = {"h200": ("NVIDIA H200 141GB HBM3e", "sm90"), "b200": ("NVIDIA B200", "sm100")}
 CHECKS = ("decode", "loops")
+PROGRAMS = ("loop", "spec", "step")  # the decode check's programs
 
 
 def _parse(argv):
@@ -47,13 +49,16 @@ def _parse(argv):
   ap.add_argument("--gpus", default="h200,b200", help=f"comma list of {sorted(GPUS)}")
   ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {CHECKS}")
   ap.add_argument("--kernels", default="xla,pallas", help="decode check: xla and/or pallas")
+  ap.add_argument("--programs", default=",".join(PROGRAMS),
+                  help="decode check: generate loop, spec generate loop, standalone step")
   ap.add_argument("--context", type=int, default=131072, help="decode check: KV cache positions")
   ap.add_argument("--batch", type=int, default=8, help="decode check: rows")
   ap.add_argument("--layers", type=int, default=48, help="decode check: decoder layers")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_compile_check.md"))
   args = ap.parse_args(argv)
   for name, value, allowed in (("--gpus", args.gpus, GPUS), ("--checks", args.checks, CHECKS),
-                               ("--kernels", args.kernels, ("xla", "pallas"))):
+                               ("--kernels", args.kernels, ("xla", "pallas")),
+                               ("--programs", args.programs, PROGRAMS)):
     bad = set(value.split(",")) - set(allowed)
     if bad:
       ap.error(f"{name}: unknown {sorted(bad)}; choose from {sorted(allowed)}")
@@ -351,7 +356,8 @@ def decode_check(args, gpu: str, dump_dir: str) -> list[dict]:
   names = {"loop": "maverick fp8 tp8 generate (decode loop)",
            "spec": "maverick fp8 tp8 spec generate (K=3 rounds)",
            "step": "maverick fp8 tp8 decode step (own program)"}
-  for kernels, program in [(k, p) for k in args.kernels.split(",") for p in names]:
+  programs = [p for p in names if p in args.programs.split(",")]
+  for kernels, program in [(k, p) for k in args.kernels.split(",") for p in programs]:
     name = names[program]
     row = {"gpu": gpu, "program": name, "kernels": kernels}
     try:

@@ -70,16 +70,22 @@ def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, pa
     """Draws draft token j and records it with q, the distribution it was drawn from. All rows
     greedy: q is one-hot at the argmax and verification never reads it, so only the argmax is
     computed (no [B, V] work)."""
+    # Column j is written with a select, not `.at[:, j].set`: with one row that update is a
+    # contiguous slice, which XLA:GPU turns into an async memcpy on a second stream; that is no
+    # command-buffer command, and it kept the whole speculative `while` host-driven.
+    at_j = jnp.arange(k) == j
+
     def sampled(key, probs):
       key, sub = jax.random.split(key)
       q = sampling.probabilities(draft.lift_logits(logits, vocab), params)
-      return key, sampling.draw(sub, jnp.log(q), params), probs.at[:, j].set(q)
+      return key, sampling.draw(sub, jnp.log(q), params), jnp.where(at_j[:, None], q[:, None],
+                                                                    probs)
 
     def greedy(key, probs):
       return key, draft.target_ids(jnp.argmax(logits, axis=-1)).astype(jnp.int32), probs
 
     key, tok, probs = jax.lax.cond(sampling.any_sampled(params), sampled, greedy, key, probs)
-    return key, tok, tokens.at[:, j].set(tok), probs
+    return key, tok, jnp.where(at_j, tok[:, None], tokens), probs
 
   def step(j, carry):
     logits, hidden, dcache, key, tokens, probs = carry

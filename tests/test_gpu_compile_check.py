@@ -92,7 +92,7 @@ ptxas info    : Used 255 registers
 def test_flags_are_checked():
   g = _load()
   for bad in (["--gpus", "a100"], ["--checks", "prefill"], ["--kernels", "triton"],
-              ["--context", "0"]):
+              ["--context", "0"], ["--programs", "prefill"]):
     with pytest.raises(SystemExit):
       g._parse(bad)
 

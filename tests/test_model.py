@@ -1,9 +1,11 @@
 """The model against the HF oracle, and the KV cache against full recompute."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jax_core
 
 from maverick import config as config_lib
 from maverick import kv_cache as kvc
@@ -184,3 +186,53 @@ def test_bf16_forward_close_to_f32(hf_fixture_dir, hf_fixture):
   assert np.quantile(err, 0.5) < 2 ** -5 and np.quantile(err, 0.9) < 2 ** -5, err
   assert np.mean(err > 2 ** -3) <= 0.05, err
   assert (logits.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+
+def _dot_operands(jaxpr, watched: dict) -> list:
+  """(name, operand index) of each dot_general reading a watched variable, followed through
+  nested jits and dtype converts."""
+  found = []
+  for eqn in jaxpr.eqns:
+    names = [None if isinstance(v, jax_core.Literal) else watched.get(v) for v in eqn.invars]
+    if eqn.primitive.name == "dot_general":
+      found += [(n, i) for i, n in enumerate(names) if n]
+    elif eqn.primitive.name == "convert_element_type" and names[0]:
+      watched[eqn.outvars[0]] = names[0]
+    inner = eqn.params.get("jaxpr")
+    if inner is not None:
+      inner = getattr(inner, "jaxpr", inner)
+      found += _dot_operands(inner, {v: n for v, n in zip(inner.invars, names) if n})
+  return found
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_matches_float64_and_reads_cache_as_stored(fp8):
+  """GQA attention against a float64 NumPy reference, and the operand order XLA:GPU needs to read a
+  [B, S, K, Dh] cache as stored: K the lhs of its dot, V the rhs (V as the lhs made every
+  standalone decode step transpose each V cache whole, see scripts/gpu_compile_check.py)."""
+  B, T, S, H, K, Dh = 2, 3, 16, 6, 2, 8
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal(s).astype(np.float32)
+             for s in ((B, T, H, Dh), (B, S, K, Dh), (B, S, K, Dh)))
+  pos = np.array([[5, 6, 7], [11, 12, 13]])
+  mask = model_lib.attention_mask(jnp.asarray(pos), jnp.broadcast_to(jnp.arange(S), (B, S)), None)
+  scales = {}
+  if fp8:  # per-token scales, as the dynamic FP8 cache stores them
+    ks, vs = (rng.uniform(0.5, 2.0, (B, S, K)).astype(np.float32) for _ in range(2))
+    k8, v8 = (jnp.asarray(x).astype(jnp.float8_e4m3fn) for x in (k, v))
+    k, v = (np.asarray(x.astype(jnp.float32)) * s[..., None] for x, s in ((k8, ks), (v8, vs)))
+    args, scales = (k8, v8), dict(k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs))
+  else:
+    args = (jnp.asarray(k), jnp.asarray(v))
+  got = model_lib.attention(jnp.asarray(q), *args, mask, **scales)
+  # Reference: kv head of query head h is h // (H // K), as HF's repeat_interleave.
+  kk, vv = (np.repeat(x.astype(np.float64), H // K, axis=2) for x in (k, v))
+  s = np.einsum("bthd,bshd->bhts", q.astype(np.float64), kk) / np.sqrt(Dh)
+  s = np.where(np.asarray(mask)[:, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), vv)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+  closed = jax.make_jaxpr(lambda q_, k_, v_: model_lib.attention(q_, k_, v_, mask, **scales))(
+      jnp.asarray(q), *args)
+  watched = dict(zip(closed.jaxpr.invars[1:], ("k", "v")))
+  assert sorted(_dot_operands(closed.jaxpr, watched)) == [("k", 0), ("v", 1)]
