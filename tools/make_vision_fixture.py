@@ -3,9 +3,9 @@
 A side tool, never imported by the tests. It needs an environment with transformers, torch, torchvision
 and Pillow (the project venv has none of the first three), e.g.
 
-    python3.11 -m venv /work/venvhf
-    /work/venvhf/bin/pip install torch==2.14.1 torchvision==0.29.1 transformers==5.23.0 pillow numpy
-    /work/venvhf/bin/python tools/make_vision_fixture.py
+  python3.11 -m venv /work/venvhf
+  /work/venvhf/bin/pip install torch==2.14.1 torchvision==0.29.1 transformers==5.23.0 pillow numpy
+  /work/venvhf/bin/python tools/make_vision_fixture.py
 
 Images are synthetic and deterministic: smooth gradients plus seeded noise on 4x4 blocks (sharp edges
 that show the resize filter, yet compressible). Inputs are stored as PNG (lossless; the tests read them
@@ -33,77 +33,77 @@ OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf_l
 
 # (name, height, width, PIL mode, tile size, max tiles, resize_to_max_canvas)
 CASES = [
-    ("rgb_100x80", 100, 80, "RGB", 56, 16, False),
-    ("rgb_336x336", 336, 336, "RGB", 56, 16, False),
-    ("rgb_500x1000", 500, 1000, "RGB", 56, 16, False),
-    ("rgb_1200x300", 1200, 300, "RGB", 56, 16, False),
-    ("rgb_37x250_max5", 37, 250, "RGB", 56, 5, False),
-    ("gray_90x130", 90, 130, "L", 56, 16, False),
-    ("rgba_120x70", 120, 70, "RGBA", 56, 16, False),
-    ("rgb_200x150_real", 200, 150, "RGB", 336, 16, False),
-    ("rgb_20x20_tiny", 20, 20, "RGB", 56, 16, False),
-    ("rgb_60x130_maxcanvas", 60, 130, "RGB", 56, 9, True),
+  ("rgb_100x80", 100, 80, "RGB", 56, 16, False),
+  ("rgb_336x336", 336, 336, "RGB", 56, 16, False),
+  ("rgb_500x1000", 500, 1000, "RGB", 56, 16, False),
+  ("rgb_1200x300", 1200, 300, "RGB", 56, 16, False),
+  ("rgb_37x250_max5", 37, 250, "RGB", 56, 5, False),
+  ("gray_90x130", 90, 130, "L", 56, 16, False),
+  ("rgba_120x70", 120, 70, "RGBA", 56, 16, False),
+  ("rgb_200x150_real", 200, 150, "RGB", 336, 16, False),
+  ("rgb_20x20_tiny", 20, 20, "RGB", 56, 16, False),
+  ("rgb_60x130_maxcanvas", 60, 130, "RGB", 56, 9, True),
 ]
 
 
 def synthetic(h: int, w: int, mode: str, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    yy, xx = np.meshgrid(np.linspace(0, 1, h), np.linspace(0, 1, w), indexing="ij")
-    chans = 4 if mode == "RGBA" else (1 if mode == "L" else 3)
-    base = np.stack([np.sin(3 * xx + c) * np.cos(5 * yy - c) for c in range(chans)], -1)
-    blocks = rng.integers(-40, 41, ((h + 3) // 4, (w + 3) // 4, chans))
-    noise = np.repeat(np.repeat(blocks, 4, axis=0), 4, axis=1)[:h, :w]
-    img = 127.5 + 90 * base + noise
-    img = np.clip(np.round(img), 0, 255).astype(np.uint8)
-    if mode == "RGBA":  # alpha spanning fully transparent to opaque
-        img[..., 3] = np.clip(np.round(255 * xx) + noise[..., 0], 0, 255).astype(np.uint8)
-        img[: h // 4, : w // 4, 3] = 0
-    return img[..., 0] if mode == "L" else img
+  rng = np.random.default_rng(seed)
+  yy, xx = np.meshgrid(np.linspace(0, 1, h), np.linspace(0, 1, w), indexing="ij")
+  chans = 4 if mode == "RGBA" else (1 if mode == "L" else 3)
+  base = np.stack([np.sin(3 * xx + c) * np.cos(5 * yy - c) for c in range(chans)], -1)
+  blocks = rng.integers(-40, 41, ((h + 3) // 4, (w + 3) // 4, chans))
+  noise = np.repeat(np.repeat(blocks, 4, axis=0), 4, axis=1)[:h, :w]
+  img = 127.5 + 90 * base + noise
+  img = np.clip(np.round(img), 0, 255).astype(np.uint8)
+  if mode == "RGBA":  # alpha spanning fully transparent to opaque
+    img[..., 3] = np.clip(np.round(255 * xx) + noise[..., 0], 0, 255).astype(np.uint8)
+    img[: h // 4, : w // 4, 3] = 0
+  return img[..., 0] if mode == "L" else img
 
 
 class _StubTokenizer:
-    """Just enough tokenizer for Llama4Processor.__init__; __call__ is never reached by our use."""
+  """Just enough tokenizer for Llama4Processor.__init__; __call__ is never reached by our use."""
 
-    init_kwargs: dict = {}
+  init_kwargs: dict = {}
 
-    def convert_tokens_to_ids(self, token):
-        return 0
+  def convert_tokens_to_ids(self, token):
+    return 0
 
 
 def main():
-    OUT.mkdir(parents=True, exist_ok=True)
-    for f in OUT.glob("*"):
-        f.unlink()
-    meta = {"transformers": transformers.__version__, "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cases": []}
-    for i, (name, h, w, mode, tile, max_tiles, max_canvas) in enumerate(CASES):
-        arr = synthetic(h, w, mode, seed=i)
-        pil = Image.fromarray(arr, mode=mode)
-        proc = Llama4ImageProcessor(size={"height": tile, "width": tile}, max_patches=max_tiles,
-                                    resize_to_max_canvas=max_canvas)
-        out = proc(images=[pil], return_tensors="pt")
-        pv = out["pixel_values"]
-        assert pv.dtype == torch.bfloat16, pv.dtype
-        grid = [int(v) for v in out["aspect_ratios"][0]]
-        # the layout string, from HF's processor method that writes it (it needs no vocabulary, so the
-        # processor is built without its tokenizer: patch size 14, pixel shuffle 0.5 as __init__ sets them)
-        p = Llama4Processor.__new__(Llama4Processor)
-        p.patch_size, p.downsample_ratio = 14, int(round(1.0 / (0.5 ** 2)))
-        layout = p.replace_image_token({"pixel_values": pv, "aspect_ratios": out["aspect_ratios"]}, 0)
-        n_patch = layout.count("<|patch|>") // (grid[0] * grid[1] + (grid[0] * grid[1] > 1))
-        buf = io.BytesIO()
-        pil.save(buf, format="PNG", optimize=True)
-        (OUT / f"{name}.png").write_bytes(buf.getvalue())
-        np.savez_compressed(OUT / f"{name}.npz",
-                            pixel_values_bf16_bits=pv.contiguous().view(torch.int16).numpy().view(np.uint16))
-        meta["cases"].append({"name": name, "height": h, "width": w, "mode": mode, "tile_size": tile,
-                              "max_tiles": max_tiles, "resize_to_max_canvas": max_canvas, "tile_grid": grid, "patches_per_tile": n_patch,
-                              "pixel_values_shape": list(pv.shape), "prompt_tokens": layout})
-        print(name, grid, tuple(pv.shape))
-    (OUT / "cases.json").write_text(json.dumps(meta, indent=1) + "\n")
-    total = sum(f.stat().st_size for f in OUT.iterdir())
-    print(f"wrote {OUT} ({total / 1e6:.2f} MB)")
+  OUT.mkdir(parents=True, exist_ok=True)
+  for f in OUT.glob("*"):
+    f.unlink()
+  meta = {"transformers": transformers.__version__, "torch": torch.__version__,
+      "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cases": []}
+  for i, (name, h, w, mode, tile, max_tiles, max_canvas) in enumerate(CASES):
+    arr = synthetic(h, w, mode, seed=i)
+    pil = Image.fromarray(arr, mode=mode)
+    proc = Llama4ImageProcessor(size={"height": tile, "width": tile}, max_patches=max_tiles,
+                  resize_to_max_canvas=max_canvas)
+    out = proc(images=[pil], return_tensors="pt")
+    pv = out["pixel_values"]
+    assert pv.dtype == torch.bfloat16, pv.dtype
+    grid = [int(v) for v in out["aspect_ratios"][0]]
+    # the layout string, from HF's processor method that writes it (it needs no vocabulary, so the
+    # processor is built without its tokenizer: patch size 14, pixel shuffle 0.5 as __init__ sets them)
+    p = Llama4Processor.__new__(Llama4Processor)
+    p.patch_size, p.downsample_ratio = 14, int(round(1.0 / (0.5 ** 2)))
+    layout = p.replace_image_token({"pixel_values": pv, "aspect_ratios": out["aspect_ratios"]}, 0)
+    n_patch = layout.count("<|patch|>") // (grid[0] * grid[1] + (grid[0] * grid[1] > 1))
+    buf = io.BytesIO()
+    pil.save(buf, format="PNG", optimize=True)
+    (OUT / f"{name}.png").write_bytes(buf.getvalue())
+    np.savez_compressed(OUT / f"{name}.npz",
+              pixel_values_bf16_bits=pv.contiguous().view(torch.int16).numpy().view(np.uint16))
+    meta["cases"].append({"name": name, "height": h, "width": w, "mode": mode, "tile_size": tile,
+                          "max_tiles": max_tiles, "resize_to_max_canvas": max_canvas, "tile_grid": grid, "patches_per_tile": n_patch,
+                          "pixel_values_shape": list(pv.shape), "prompt_tokens": layout})
+    print(name, grid, tuple(pv.shape))
+  (OUT / "cases.json").write_text(json.dumps(meta, indent=1) + "\n")
+  total = sum(f.stat().st_size for f in OUT.iterdir())
+  print(f"wrote {OUT} ({total / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":
-    main()
+  main()
