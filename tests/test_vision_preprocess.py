@@ -55,6 +55,28 @@ def test_matches_hf(name):
   assert P.image_prompt_tokens(out.tile_grid, cfg) == case["prompt_tokens"]
 
 
+def test_sweep_matches_hf():
+  """40 small random-size images, 14-px tiles, 1..8 tiles, some resize_to_max_canvas: HF's grids and
+  pixels, bit for bit (many downscale and upscale factors, every grid-choice branch)."""
+  data = np.load(FIX / "sweep.npz", allow_pickle=False)
+  images, bits = data["images"], data["pixel_values_bf16_bits"]
+  i = j = 0
+  grids = set()
+  for case in META["sweep"]:
+    h, w = case["height"], case["width"]
+    img = images[i:i + h * w * 3].reshape(h, w, 3)
+    n = int(np.prod(case["pixel_values_shape"]))
+    ref = (bits[j:j + n].astype(np.uint32) << 16).view(np.float32).reshape(case["pixel_values_shape"])
+    i, j = i + h * w * 3, j + n
+    cfg = P.VisionPreprocessConfig(tile_size=14, max_tiles=case["max_tiles"],
+                                   resize_to_max_canvas=case["resize_to_max_canvas"])
+    out = P.preprocess_image(img, cfg)
+    assert out.tile_grid == tuple(case["tile_grid"]), case
+    np.testing.assert_array_equal(out.pixel_values, ref, err_msg=str(case))
+    grids.add(out.tile_grid)
+  assert i == images.size and j == bits.size and len(grids) >= 8
+
+
 @pytest.mark.parametrize("name", ["gray_90x130", "rgba_120x70", "rgb_100x80"])
 def test_decode_image_matches_hf(name):
   """File bytes -> decode_image (PIL's own RGBA-on-white conversion, as HF) -> the same pixels."""
@@ -201,3 +223,37 @@ def test_config_errors():
     P.VisionPreprocessConfig(max_tiles=0)
   with pytest.raises(ValueError, match="pixel_shuffle_ratio"):
     P.VisionPreprocessConfig(pixel_shuffle_ratio=0)
+
+
+def _matches_fixture(names=("rgb_100x80", "rgb_1200x300", "rgb_60x130_maxcanvas")) -> bool:
+  for name in names:
+    out = P.preprocess_image(_image(name), _cfg(CASES[name]))
+    ref = _hf_pixels(name)
+    if out.tile_grid != tuple(CASES[name]["tile_grid"]) or out.pixel_values.shape != ref.shape:
+      return False
+    if not np.array_equal(out.pixel_values, ref):
+      return False
+  return True
+
+
+@pytest.mark.parametrize("mutant", ["resize_vertical_first", "best_fit_largest_area", "no_bf16",
+                                    "stretch_to_canvas"])
+def test_plausible_bugs_break_the_fixture_match(monkeypatch, mutant):
+  """The fixture comparison can fail: each plausible bug, patched in, makes it fail."""
+  assert _matches_fixture()
+  best_fit = P.best_fit
+  if mutant == "resize_vertical_first":
+    monkeypatch.setattr(P, "resize_bilinear_uint8",
+                        lambda img, h, w: P._resize_axis(P._resize_axis(img, h, axis=0), w, axis=1))
+  elif mutant == "best_fit_largest_area":
+    def largest(image_hw, res, resize_to_max_canvas=False):
+      chosen = best_fit(image_hw, res, resize_to_max_canvas)
+      scale = lambda r: min(r[0] / image_hw[0], r[1] / image_hw[1])
+      ties = [r for r in res if scale(r) == scale(chosen)]
+      return max(ties, key=lambda r: r[0] * r[1])
+    monkeypatch.setattr(P, "best_fit", largest)
+  elif mutant == "no_bf16":
+    monkeypatch.setattr(P, "_bf16", lambda x: np.asarray(x, np.float32))
+  elif mutant == "stretch_to_canvas":  # aspect ratio not kept
+    monkeypatch.setattr(P, "_max_res_without_distortion", lambda hw, target: target)
+  assert not _matches_fixture()

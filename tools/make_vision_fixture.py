@@ -12,8 +12,9 @@ that show the resize filter, yet compressible). Inputs are stored as PNG (lossle
 with Pillow, to arrays and through ``decode_image``).
 Small tiles (56 px instead of 336) keep the fixture small; one case uses the real 336/16 config. Pixel
 values are bfloat16 in HF; they are stored as their uint16 bit patterns (lossless) in compressed .npz.
-The token layout is taken from HF's ``Llama4Processor`` with a stub tokenizer (the layout is built
-before tokenization, so no vocabulary is needed).
+The token layout is taken from HF's ``Llama4Processor.replace_image_token`` (the layout is built before
+tokenization, so no tokenizer is needed). A sweep of 40 small random-size noise images (14-px tiles, 1 to
+8 tiles) adds many resize scales and grid choices.
 """
 
 from __future__ import annotations
@@ -61,13 +62,21 @@ def synthetic(h: int, w: int, mode: str, seed: int) -> np.ndarray:
   return img[..., 0] if mode == "L" else img
 
 
-class _StubTokenizer:
-  """Just enough tokenizer for Llama4Processor.__init__; __call__ is never reached by our use."""
-
-  init_kwargs: dict = {}
-
-  def convert_tokens_to_ids(self, token):
-    return 0
+def hf_process(pil, tile, max_tiles, max_canvas):
+  """HF's pixel values (bfloat16 bits), tile grid and prompt layout for one image."""
+  proc = Llama4ImageProcessor(size={"height": tile, "width": tile}, max_patches=max_tiles,
+                              resize_to_max_canvas=max_canvas)
+  out = proc(images=[pil], return_tensors="pt")
+  pv = out["pixel_values"]
+  assert pv.dtype == torch.bfloat16, pv.dtype
+  grid = [int(v) for v in out["aspect_ratios"][0]]
+  # the layout string, from HF's processor method that writes it (it needs no vocabulary, so the
+  # processor is built without its tokenizer: patch size 14, pixel shuffle 0.5 as __init__ sets them)
+  p = Llama4Processor.__new__(Llama4Processor)
+  p.patch_size, p.downsample_ratio = 14, int(round(1.0 / (0.5 ** 2)))
+  layout = p.replace_image_token({"pixel_values": pv, "aspect_ratios": out["aspect_ratios"]}, 0)
+  bits = pv.contiguous().view(torch.int16).numpy().view(np.uint16)
+  return bits, grid, layout
 
 
 def main():
@@ -75,31 +84,37 @@ def main():
   for f in OUT.glob("*"):
     f.unlink()
   meta = {"transformers": transformers.__version__, "torch": torch.__version__,
-      "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cases": []}
+          "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cases": [], "sweep": []}
   for i, (name, h, w, mode, tile, max_tiles, max_canvas) in enumerate(CASES):
     arr = synthetic(h, w, mode, seed=i)
     pil = Image.fromarray(arr, mode=mode)
-    proc = Llama4ImageProcessor(size={"height": tile, "width": tile}, max_patches=max_tiles,
-                  resize_to_max_canvas=max_canvas)
-    out = proc(images=[pil], return_tensors="pt")
-    pv = out["pixel_values"]
-    assert pv.dtype == torch.bfloat16, pv.dtype
-    grid = [int(v) for v in out["aspect_ratios"][0]]
-    # the layout string, from HF's processor method that writes it (it needs no vocabulary, so the
-    # processor is built without its tokenizer: patch size 14, pixel shuffle 0.5 as __init__ sets them)
-    p = Llama4Processor.__new__(Llama4Processor)
-    p.patch_size, p.downsample_ratio = 14, int(round(1.0 / (0.5 ** 2)))
-    layout = p.replace_image_token({"pixel_values": pv, "aspect_ratios": out["aspect_ratios"]}, 0)
+    bits, grid, layout = hf_process(pil, tile, max_tiles, max_canvas)
     n_patch = layout.count("<|patch|>") // (grid[0] * grid[1] + (grid[0] * grid[1] > 1))
     buf = io.BytesIO()
     pil.save(buf, format="PNG", optimize=True)
     (OUT / f"{name}.png").write_bytes(buf.getvalue())
-    np.savez_compressed(OUT / f"{name}.npz",
-              pixel_values_bf16_bits=pv.contiguous().view(torch.int16).numpy().view(np.uint16))
+    np.savez_compressed(OUT / f"{name}.npz", pixel_values_bf16_bits=bits)
     meta["cases"].append({"name": name, "height": h, "width": w, "mode": mode, "tile_size": tile,
-                          "max_tiles": max_tiles, "resize_to_max_canvas": max_canvas, "tile_grid": grid, "patches_per_tile": n_patch,
-                          "pixel_values_shape": list(pv.shape), "prompt_tokens": layout})
-    print(name, grid, tuple(pv.shape))
+                          "max_tiles": max_tiles, "resize_to_max_canvas": max_canvas,
+                          "tile_grid": grid, "patches_per_tile": n_patch,
+                          "pixel_values_shape": list(bits.shape), "prompt_tokens": layout})
+    print(name, grid, bits.shape)
+  # a sweep of small random sizes (14-px tiles, 1..8 tiles): many resize scales and grid choices
+  rng = np.random.default_rng(1234)
+  images, pixels = [], []
+  for k in range(40):
+    h, w = (int(v) for v in rng.integers(3, 90, 2))
+    max_tiles, max_canvas = int(rng.integers(1, 9)), bool(k % 4 == 3)
+    blocks = rng.integers(0, 256, ((h + 1) // 2, (w + 1) // 2, 3), dtype=np.uint8)  # 2x2 blocks
+    arr = np.ascontiguousarray(blocks.repeat(2, 0).repeat(2, 1)[:h, :w])
+    bits, grid, _ = hf_process(Image.fromarray(arr, mode="RGB"), 14, max_tiles, max_canvas)
+    images.append(arr.ravel())
+    pixels.append(bits.ravel())
+    meta["sweep"].append({"height": h, "width": w, "max_tiles": max_tiles,
+                          "resize_to_max_canvas": max_canvas, "tile_grid": grid,
+                          "pixel_values_shape": list(bits.shape)})
+  np.savez_compressed(OUT / "sweep.npz", images=np.concatenate(images),
+                      pixel_values_bf16_bits=np.concatenate(pixels))
   (OUT / "cases.json").write_text(json.dumps(meta, indent=1) + "\n")
   total = sum(f.stat().st_size for f in OUT.iterdir())
   print(f"wrote {OUT} ({total / 1e6:.2f} MB)")
