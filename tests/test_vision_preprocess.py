@@ -88,6 +88,15 @@ def test_decode_image_matches_hf(name):
     np.testing.assert_array_equal(P.preprocess_image(rgb, cfg).pixel_values, _hf_pixels(name))
 
 
+def test_preprocess_images_concatenates_like_hf():
+  names = ["rgb_100x80", "rgb_336x336", "gray_90x130"]
+  pv, grids = P.preprocess_images([_image(n) for n in names], _cfg(CASES[names[0]]))
+  np.testing.assert_array_equal(pv, np.concatenate([_hf_pixels(n) for n in names]))
+  assert grids == [tuple(CASES[n]["tile_grid"]) for n in names]
+  with pytest.raises(P.ImageInputError, match="non-empty list"):
+    P.preprocess_images([])
+
+
 def test_composite_on_white_matches_pil_for_every_color_alpha():
   c, a = np.meshgrid(np.arange(256, dtype=np.uint8), np.arange(256, dtype=np.uint8), indexing="ij")
   rgba = np.stack([c, 255 - c, c // 2 + 7, a], -1)

@@ -7,13 +7,16 @@ tools/make_vision_fixture.py writes from HF itself):
 2. Pick the canvas: the tile grids ``(rows, cols)`` with ``rows * cols <= max_tiles`` give canvases
    ``(rows * tile, cols * tile)``; the best one needs the least downscaling (or the least upscaling when
    upscaling is possible), ties broken by the smallest area (HF ``get_best_fit``).
-3. Resize without distortion into the canvas (never upscaling past one tile), bilinear with antialias in
+3. Resize without distortion into the canvas (a side shorter than a tile grows to at most one tile, a
+   longer one never grows; ``resize_to_max_canvas`` lifts that cap), bilinear with antialias in
    torch's uint8 fixed-point arithmetic (int16 weights, per-pass precision), pad right/bottom with 0.
 4. Rescale and normalize in bfloat16, as the original implementation (and HF) do.
 5. Split into row-major tiles; when there is more than one tile, append a global thumbnail (the whole
    image resized, with distortion, to one tile).
 
-``pixel_values`` are float32 holding bfloat16 values, shape ``(tiles, 3, tile, tile)``. Pure NumPy; Pillow
+``pixel_values`` are float32 holding bfloat16 values, shape ``(tiles, 3, tile, tile)``. The oracle is HF on
+a CPU with AVX2/AVX512 or on aarch64, where torchvision resizes uint8 natively (elsewhere it resizes in
+float32 and HF's output differs from this by rounding). Pure NumPy; Pillow
 (``pip install maverick-jax[vision]``) is needed only to decode image files (``decode_image``).
 """
 
@@ -237,6 +240,18 @@ def preprocess_image(image, cfg: VisionPreprocessConfig = VisionPreprocessConfig
     thumb = _rescale_normalize(resize_bilinear_uint8(img, t, t), cfg)
     tiles = np.concatenate([tiles, thumb[None]], axis=0)
   return PreprocessedImage(np.ascontiguousarray(tiles, np.float32), (rows, cols))
+
+
+def preprocess_images(images, cfg: VisionPreprocessConfig = VisionPreprocessConfig()):
+  """Several images -> (pixel_values of all their tiles concatenated in order, their tile grids), as
+  HF's processor returns them with ``return_tensors`` (``pixel_values`` and ``aspect_ratios``)."""
+  if isinstance(images, np.ndarray) and images.ndim == 4:
+    images = list(images)
+  if not isinstance(images, (list, tuple)) or not images:
+    raise ImageInputError("preprocess_images takes a non-empty list of images (HxWx3 uint8 arrays); "
+                          "for one image use preprocess_image")
+  outs = [preprocess_image(im, cfg) for im in images]
+  return np.concatenate([o.pixel_values for o in outs]), [o.tile_grid for o in outs]
 
 
 # ---------------------------------------------------------------------------------------- prompt text
