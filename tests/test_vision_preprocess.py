@@ -146,13 +146,23 @@ def _resize_f64(img, oh, ow):
   return np.einsum("owc,pw->opc", rows, mat(img.shape[1], ow))
 
 
-@pytest.mark.parametrize("shape", [(37, 250, 19, 56), (30, 20, 56, 56), (100, 80, 224, 179), (9, 9, 9, 4)])
+@pytest.mark.parametrize("shape", [(37, 250, 19, 56), (30, 20, 56, 56), (100, 80, 224, 179), (9, 9, 9, 4),
+                                   (3000, 2, 1, 2)])  # the last: 22-bit weights, int32 headroom
 def test_resize_close_to_float64(shape):
   h, w, oh, ow = shape
   img = np.random.default_rng(1).integers(0, 256, (h, w, 3)).astype(np.uint8)
   out = P.resize_bilinear_uint8(img, oh, ow)
   assert out.shape == (oh, ow, 3) and out.dtype == np.uint8
   assert np.abs(out.astype(np.float64) - _resize_f64(img, oh, ow)).max() <= 1.0  # two uint8 roundings
+
+
+@pytest.mark.parametrize("value", [0, 1, 128, 255])
+def test_resize_keeps_constant_images(value):
+  """Weights sum to one per output: a flat image stays flat, 255 included (no int32 overflow even
+  with 22-bit weights when shrinking 3000 rows to 1)."""
+  for h, w, oh, ow in [(3000, 2, 1, 2), (7, 9, 40, 3), (336, 500, 112, 167)]:
+    img = np.full((h, w, 3), value, np.uint8)
+    assert (P.resize_bilinear_uint8(img, oh, ow) == value).all()
 
 
 def test_supported_resolutions_and_best_fit_hand_worked():

@@ -145,7 +145,7 @@ def _aa_bilinear_int16_weights(in_size: int, out_size: int):
   while prec < 22 and int(0.5 + wmax * (1 << (prec + 1))) < (1 << 15):
     prec += 1
   v = w * (1 << prec)
-  w16 = np.where(v < 0, np.trunc(v - 0.5), np.trunc(v + 0.5)).astype(np.int64)
+  w16 = np.where(v < 0, np.trunc(v - 0.5), np.trunc(v + 0.5)).astype(np.int32)
   idx = np.minimum(xmin[:, None] + np.arange(taps)[None, :], in_size - 1)  # zero weights past the end
   return idx, w16, prec
 
@@ -155,10 +155,12 @@ def _resize_axis(img: np.ndarray, out_size: int, axis: int) -> np.ndarray:
   if in_size == out_size:
     return img
   idx, w16, prec = _aa_bilinear_int16_weights(in_size, out_size)
-  src = np.moveaxis(img, axis, 0).astype(np.int64)  # (in, other, C)
-  acc = np.full((out_size,) + src.shape[1:], 1 << (prec - 1), np.int64)
+  src = np.moveaxis(img, axis, 0)  # (in, other, C) uint8
+  # int32 as torch: the weights sum to about 2^prec <= 2^22, so 255 * that fits
+  acc = np.full((out_size,) + src.shape[1:], 1 << (prec - 1), np.int32)
   for j in range(idx.shape[1]):
-    acc += src[idx[:, j]] * w16[:, j].reshape((-1,) + (1,) * (src.ndim - 1))
+    if w16[:, j].any():
+      acc += src[idx[:, j]] * w16[:, j].reshape((-1,) + (1,) * (src.ndim - 1))
   out = np.clip(acc >> prec, 0, 255).astype(np.uint8)
   return np.moveaxis(out, 0, axis)
 
