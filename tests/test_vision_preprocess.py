@@ -10,6 +10,7 @@ resize, hand-worked grids and layouts.
 import io
 import json
 import pathlib
+import re
 
 import ml_dtypes
 import numpy as np
@@ -95,6 +96,23 @@ def test_preprocess_images_concatenates_like_hf():
   assert grids == [tuple(CASES[n]["tile_grid"]) for n in names]
   with pytest.raises(P.ImageInputError, match="non-empty list"):
     P.preprocess_images([])
+
+
+def test_whole_hf_processor_call():
+  """HF's Llama4Processor.__call__ on a two-image prompt (a word-level tokenizer that knows the image
+  specials): our expanded prompt splits into exactly its tokens, our batch equals its pixel values."""
+  call = META["processor_call"]
+  names = call["images"]
+  cfg = _cfg(CASES[names[0]])
+  pv, grids = P.preprocess_images([P.decode_image(FIX / f"{n}.png") for n in names], cfg)
+  np.testing.assert_array_equal(pv, np.concatenate([_hf_pixels(n) for n in names]))
+  text = P.expand_image_placeholders(call["text"], grids, cfg)
+  specials = "|".join(re.escape(t) for t in (P.IMAGE_START, P.IMAGE_END, P.IMAGE_TOKEN, P.PATCH_TOKEN,
+                                              P.TILE_X_SEPARATOR, P.TILE_Y_SEPARATOR))
+  tokens = [t for piece in re.split(f"({specials})", text)
+            for t in ([piece] if re.fullmatch(specials, piece) else piece.split())]
+  assert tokens == call["tokens"]
+  assert tokens.count(P.IMAGE_TOKEN) == 2 and tokens.count(P.IMAGE_START) == 2
 
 
 def test_composite_on_white_matches_pil_for_every_color_alpha():

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import transformers
 from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 from transformers.models.llama4.image_processing_llama4 import Llama4ImageProcessor
 from transformers.models.llama4.processing_llama4 import Llama4Processor
 
@@ -79,6 +81,24 @@ def hf_process(pil, tile, max_tiles, max_canvas):
   return bits, grid, layout
 
 
+def processor_call(images):
+  """HF's whole ``Llama4Processor.__call__`` on a two-image prompt, with a word-level tokenizer that
+  knows the image special tokens: the prompt's tokens (as strings) and the pixel values."""
+  specials = ["<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+              "<|tile_y_separator|>"]
+  vocab = {w: i for i, w in enumerate(["[UNK]", "describe", "and", "compare", "."] + specials)}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(specials)
+  fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+  proc = Llama4Processor(image_processor=Llama4ImageProcessor(size={"height": 56, "width": 56},
+                                                              max_patches=16), tokenizer=fast)
+  text = "describe <|image|> and compare <|image|> ."
+  out = proc(images=images, text=[text], return_tensors="pt")
+  tokens = fast.convert_ids_to_tokens(out["input_ids"][0].tolist())
+  return {"text": text, "tokens": tokens}, out["pixel_values"]
+
+
 def main():
   OUT.mkdir(parents=True, exist_ok=True)
   for f in OUT.glob("*"):
@@ -99,6 +119,12 @@ def main():
                           "tile_grid": grid, "patches_per_tile": n_patch,
                           "pixel_values_shape": list(bits.shape), "prompt_tokens": layout})
     print(name, grid, bits.shape)
+  # the whole processor on a prompt with two of the images above
+  pair = ["rgb_100x80", "gray_90x130"]
+  call, pv = processor_call([Image.open(OUT / f"{n}.png") for n in pair])
+  ref = np.concatenate([np.load(OUT / f"{n}.npz")["pixel_values_bf16_bits"] for n in pair])
+  assert np.array_equal(pv.contiguous().view(torch.int16).numpy().view(np.uint16), ref)
+  meta["processor_call"] = {"images": pair, **call}
   # a sweep of small random sizes (14-px tiles, 1..8 tiles): many resize scales and grid choices
   rng = np.random.default_rng(1234)
   images, pixels = [], []
