@@ -20,10 +20,11 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("config", "model and quantization configs; the XLA flags set at import",
      ("maverick.gpu_flags", "maverick.quant.config", "maverick.config")),
     ("primitives", "FP8 primitives, kernel dispatch, the quantized contraction, the sharding plan, "
-     "sampling, the KV cache, tokenizers, text corpora, the exported-program cache",
+     "sampling, the KV cache, tokenizers, text corpora, the exported-program cache, "
+     "image preprocessing",
      ("maverick.quant.ops", "maverick.kernels", "maverick.quant.contraction",
       "maverick.sharding_plan", "maverick.sampling", "maverick.kv_cache", "maverick.tokenizer",
-      "maverick.data", "maverick.program_cache")),
+      "maverick.data", "maverick.program_cache", "maverick.vision.*")),
     ("model", "the Llama 4 model, its MoE, and the description of its weights",
      ("maverick.moe", "maverick.model", "maverick.weights")),
     ("sharding", "placing a model on a mesh",
