@@ -27,6 +27,7 @@ The report (Markdown) goes to stdout and to --out.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import re
@@ -55,6 +56,7 @@ def _parse(argv):
   ap.add_argument("--batch", type=int, default=8, help="decode check: rows")
   ap.add_argument("--layers", type=int, default=48, help="decode check: decoder layers")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_compile_check.md"))
+  ap.add_argument("--rows_json", default="", help=argparse.SUPPRESS)  # a per-GPU child's rows
   args = ap.parse_args(argv)
   for name, value, allowed in (("--gpus", args.gpus, GPUS), ("--checks", args.checks, CHECKS),
                                ("--kernels", args.kernels, ("xla", "pallas")),
@@ -472,17 +474,52 @@ def report(rows: list[dict], plan_text: str, argv) -> str:
   return "\n".join(lines) + "\n"
 
 
+def child_argv(argv: list[str], gpu: str, rows_json: str) -> list[str]:
+  """`argv` for one GPU's child: the same checks, `--gpus` replaced, rows written as JSON."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+      continue
+    if a in ("--gpus", "--rows_json"):
+      skip = True
+      continue
+    if a.startswith(("--gpus=", "--rows_json=")):
+      continue
+    out.append(a)
+  return out + ["--gpus", gpu, "--rows_json", rows_json]
+
+
+def _gpu_in_child(argv: list[str], gpu: str) -> list[dict]:
+  import subprocess
+  with tempfile.TemporaryDirectory() as tmp:
+    rows_json = os.path.join(tmp, "rows.json")
+    proc = subprocess.run([sys.executable, __file__, *child_argv(argv, gpu, rows_json)])
+    if proc.returncode != 0 or not os.path.exists(rows_json):
+      return [dict(gpu=gpu, program="(all)", status=f"failed: the {gpu} child process exited "
+                   f"{proc.returncode}")]
+    return json.loads(pathlib.Path(rows_json).read_text())
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = _parse(argv)
   dump_dir = tempfile.mkdtemp(prefix="gpu_compile_check-")
   _environment(dump_dir)
-  rows = []
-  for gpu in args.gpus.split(","):
+  gpus = args.gpus.split(",")
+  if len(gpus) > 1:
+    # One process per GPU: after compiling for H200, Mosaic's kernels for B200 failed ptxas in the
+    # same process ("SM version specified by .target is higher than default SM version").
+    rows = [row for gpu in gpus for row in _gpu_in_child(argv, gpu)]
+  else:
+    rows = []
     if "decode" in args.checks:
-      rows += decode_check(args, gpu, dump_dir)
+      rows += decode_check(args, gpus[0], dump_dir)
     if "loops" in args.checks:
-      rows += loops_check(args, gpu, dump_dir)
+      rows += loops_check(args, gpus[0], dump_dir)
+  if args.rows_json:
+    pathlib.Path(args.rows_json).write_text(json.dumps(rows))
+    return 0
   plan_text = plan_memory_cpu(args) if "decode" in args.checks else ""
   text = report(rows, plan_text, argv)
   print(text)

@@ -110,3 +110,14 @@ def test_thunk_text_takes_the_module_compiled_last(tmp_path):
   assert g.thunk_text(str(tmp_path), "jit__generate") == "new"
   with pytest.raises(RuntimeError, match="no thunk sequence"):
     g.thunk_text(str(tmp_path), "jit__prefill")
+
+
+def test_each_gpu_compiles_in_a_child_process_of_its_own():
+  """Several GPUs: one child per GPU with the same checks (Mosaic's B200 kernels failed ptxas
+  after an H200 compile in one process)."""
+  gcc = _load()
+  argv = ["--gpus", "h200,b200", "--checks", "decode", "--layers=4", "--out", "x.md"]
+  assert gcc.child_argv(argv, "b200", "/t/r.json") == [
+      "--checks", "decode", "--layers=4", "--out", "x.md", "--gpus", "b200", "--rows_json",
+      "/t/r.json"]
+  assert gcc.child_argv(["--gpus=h200,b200"], "h200", "r") == ["--gpus", "h200", "--rows_json", "r"]
