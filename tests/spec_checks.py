@@ -244,7 +244,8 @@ def greedy_rules():
   rng = np.random.default_rng(11)
   B, K, V = 64, 4, 40
   greedy = sampling.SamplingParams.create(B)
-  key = jax.random.key(0)
+  history = sampling.empty_output(B, V)
+  no_stop = jnp.full((B, 1), -1, jnp.int32)
   logits = rng.standard_normal((B, K + 1, V)).astype(np.float32)
   best = logits.argmax(-1)
   wrong = (best + rng.integers(1, V, best.shape)) % V
@@ -253,8 +254,8 @@ def greedy_rules():
                                verify_lib.chain_parents(K))
   want = _np_greedy_chain(best, tokens)
   assert 0 < (want[0] == 0).sum() < B and (want[0] == K).any(), "the case must mix run lengths"
-  fast = verify_lib.verify_chain(jnp.asarray(logits), cand, greedy, key)
-  general = verify_lib.verify_chain_sampled(jnp.asarray(logits), cand, greedy, key)
+  fast = verify_lib.verify_chain(jnp.asarray(logits), cand, greedy, history, no_stop)
+  general = verify_lib.verify_chain_sampled(jnp.asarray(logits), cand, greedy, history.num_tokens)
   for name, got in (("fast", fast), ("general", general)):
     np.testing.assert_array_equal(np.asarray(got[0]), want[0], err_msg=f"chain n ({name})")
     np.testing.assert_array_equal(np.asarray(got[1]), want[1], err_msg=f"chain next ({name})")
@@ -281,8 +282,11 @@ def greedy_rules():
   want = _np_greedy_tree(best, tokens, parents, depths, max_depth)
   assert len(set(want[0].tolist())) > 2, "the case must mix path lengths"
   args = tuple(jnp.asarray(x) for x in (logits, tokens, parents, depths))
-  fast = tree_lib.verify_tree(*args, greedy, key, max_depth)
-  general = tree_lib.verify_tree_sampled(*args, greedy, key, max_depth=max_depth)
+  ancestors = tree_lib.verify_layout(
+      tree_lib.TreeCandidates(args[1][:, 1:], args[2][:, 1:] - 1, args[3][:, 1:], args[0][..., 0]),
+      max_depth)[2]
+  fast = tree_lib.verify_tree(*args, ancestors, greedy, history, no_stop, max_depth)
+  general = tree_lib.verify_tree_sampled(*args, greedy, history.num_tokens, max_depth=max_depth)
   for name, got in (("fast", fast), ("general", general)):
     for i, what in enumerate(("n", "next", "path")):
       np.testing.assert_array_equal(np.asarray(got[i]), want[i], err_msg=f"tree {what} ({name})")

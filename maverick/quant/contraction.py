@@ -54,6 +54,8 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
     if y is not None:
       return y
   if scale is None:
+    if out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
+      return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     return jnp.einsum(spec, x, w)
   out_dtype = out_dtype or x.dtype
   xs, ws, out = _expand_ellipsis(spec, x.ndim)
