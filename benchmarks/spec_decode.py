@@ -135,7 +135,7 @@ def _round_breakdown(loaded, draft, k, prompt, repeats):
 
   def plain_step(t, d, i):
     out = t(tokens(i)[:, :1], cache=cache.with_lengths(L))
-    return _consume(sampling.sample(out.logits[:, 0], params, history(i), stop_ids), out.cache.k,
+    return _consume(sampling.sample(out.logits[:, 0], params, history(i), stop_ids)[0], out.cache.k,
                     out.cache.v)
 
   def _consume(*outs):

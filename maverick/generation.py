@@ -169,12 +169,13 @@ def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=()):
 
 def decode_round(model: Llama4, token, cache, result: sampling.Output, params, stop_ids, stop):
   """One decode step of every row: the loop body of `_generate` and of the serving engine
-  (maverick/serving). Done rows commit nothing. stop(result, new [B, M], num_new [B]) appends."""
+  (maverick/serving). Done rows commit nothing. stop(result, new [B, M], num_new [B], logprobs)
+  appends."""
   out = model(token[:, None], cache=cache)
   # Finished rows keep their length: their (ignored) writes stay at one slot.
   cache = out.cache.with_lengths(jnp.where(result.done, cache.lengths, out.cache.lengths))
-  token = sampling.sample(out.logits[:, 0], params, result, stop_ids)
-  result = stop(result, token[:, None], (~result.done).astype(jnp.int32))
+  token, logprobs = sampling.sample(out.logits[:, 0], params, result, stop_ids)
+  result = stop(result, token[:, None], (~result.done).astype(jnp.int32), logprobs)
   return token, cache, result
 
 
@@ -189,11 +190,11 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, req: Request, *, steps: 
   model = nnx.merge(graphdef, state)
   B = req.prompt.shape[0]
   out, cache = prefill(model, req, capacity)
-  stop = functools.partial(sampling.append, stop_ids=req.stop_ids,
-                           max_tokens=req.max_new_tokens, pad_id=pad_id)
+  stop = lambda out, new, n, lp: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens,
+                                                 pad_id, lp)
   result = init_output(model.config, req, B, steps, 1, pad_id)
-  token = sampling.sample(out.logits, req.sampling, result, req.stop_ids)
-  result = stop(result, token[:, None], jnp.ones((B,), jnp.int32))
+  token, logprobs = sampling.sample(out.logits, req.sampling, result, req.stop_ids)
+  result = stop(result, token[:, None], jnp.ones((B,), jnp.int32), logprobs)
 
   def cond(carry):
     step, _, _, result = carry
@@ -206,7 +207,22 @@ def _generate(graphdef: nnx.GraphDef, state: nnx.State, req: Request, *, steps: 
     return step + 1, token, cache, result
 
   _, _, _, result = jax.lax.while_loop(cond, body, (1, token, cache, result))
-  return result.tokens[:, :steps], result.num_tokens
+  return result.tokens[:, :steps], result.num_tokens, output_logprobs(result, steps)
+
+
+def output_logprobs(result: sampling.Output, steps: int) -> sampling.TokenLogprobs:
+  return sampling.TokenLogprobs(result.logprob[:, :steps], result.top_ids[:, :steps],
+                                result.top_logprobs[:, :steps])
+
+
+def host_logprobs(lp: sampling.TokenLogprobs, num, top: int | None):
+  """Per row [(logprob, [(id, logprob)] * top)] per token from the program's output, or None
+  when no logprobs were asked for (nothing is fetched then)."""
+  if top is None:
+    return None
+  lp = jax.tree.map(sharding.to_host, lp)
+  return [sampling.logprob_lists(lp.logprob[b], lp.top_ids[b], lp.top_logprobs[b], int(n), top)
+          for b, n in enumerate(num)]
 
 
 generate_jit = jax.jit(_generate, static_argnames=("graphdef", "steps", "capacity", "pad_id"))
@@ -268,6 +284,8 @@ class Generation:
   num_tokens: np.ndarray  # [B]
   compile_seconds: float  # 0.0 when the program for this bucket was already compiled
   run_seconds: float  # the device call, results fetched
+  # With logprobs=N: per row, per token (logprob, [(token id, logprob)] of the N most likely).
+  logprobs: list | None = None
 
   @property
   def tokens_per_second(self) -> float:
@@ -302,19 +320,48 @@ def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=
   stop_tokens: one list for all rows or one list per row (default: the config's eos ids).
   seed: one int (row b draws from stream b of it) or one seed per row (a row then samples what a
   single request with that seed samples, whatever the batch). options: min_p, presence_penalty,
-  frequency_penalty, repetition_penalty, min_tokens, logit_bias ({token id: bias}), as in
-  `maverick.sampling.SamplingParams.create`.
+  frequency_penalty, repetition_penalty, min_tokens, logit_bias ({token id: bias}), logprobs (N
+  in 0..20: each token's logprob and the N most likely alternatives, in `Generation.logprobs`), as
+  in `maverick.sampling.SamplingParams.create`.
   """
   exe, args, compile_s = program(
       model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
       top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len, pad_id=pad_id,
       **options)
   start = time.perf_counter()
-  tokens, num = exe(*args)
+  tokens, num, lp = exe(*args)
   tokens, num = sharding.to_host(tokens), sharding.to_host(num)
+  logprobs = host_logprobs(lp, num, options.get("logprobs"))
   run_s = time.perf_counter() - start
   return Generation(tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)], num_tokens=num,
-                    compile_seconds=compile_s, run_seconds=run_s)
+                    compile_seconds=compile_s, run_seconds=run_s, logprobs=logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prompt_logprobs(graphdef, state, prompt):
+  """Full-sequence forward: the logprob of prompt token t+1 after tokens 0..t and the top
+  alternatives there, under the model's raw distribution (f32 logits, no sampling transform)."""
+  logits = nnx.merge(graphdef, state)(prompt).logits[:, :-1]
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  n = min(sampling.MAX_LOGPROBS, logp.shape[-1])
+  top_lp, top_ids = jax.lax.top_k(logp, n)
+  pad = ((0, 0), (0, 0), (0, sampling.MAX_LOGPROBS - n))
+  return sampling.TokenLogprobs(
+      jnp.take_along_axis(logp, prompt[:, 1:, None], axis=-1)[..., 0],
+      jnp.pad(top_ids.astype(jnp.int32), pad, constant_values=-1),
+      jnp.pad(top_lp, pad, constant_values=-jnp.inf))
+
+
+def prompt_logprobs(model: Llama4, prompt: Sequence[int], top: int = 0) -> list:
+  """Prompt logprobs (OpenAI `echo`): [None] for the first token, then per token (logprob, [(id,
+  logprob)] of the `top` most likely) from one forward over the whole prompt (padded to its
+  length bucket; it holds [T, V] f32 logits)."""
+  n = len(prompt)
+  padded = np.zeros((1, bucket(n)), np.int32)
+  padded[0, :n] = prompt
+  lp = jax.tree.map(sharding.to_host, _prompt_logprobs(*nnx.split(model), jax.device_put(padded)))
+  return [None] + sampling.logprob_lists(lp.logprob[0], lp.top_ids[0], lp.top_logprobs[0],
+                                         n - 1, top)
 
 
 def resolve_pad_id(cfg, pad_id) -> int:

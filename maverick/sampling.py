@@ -23,6 +23,7 @@ import numpy as np
 # Salts: one random stream per use of a token index.
 SALT_SAMPLE, SALT_DRAFT, SALT_ACCEPT, SALT_RESIDUAL = 0, 1, 2, 3
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI (the buffers' static width)
 
 
 @jax.tree_util.register_dataclass
@@ -40,6 +41,7 @@ class SamplingParams:
   bias_values: jax.Array  # [B, NB] float32
   seed: jax.Array  # [B] uint32
   stream: jax.Array  # [B] uint32: rows with one seed draw apart (generate's row index)
+  logprobs: jax.Array  # [B] int32: top alternatives reported per token, -1 = no logprobs
 
   @classmethod
   def create(cls, batch_size: int, temperature: float = 0.0, top_k: int = 0,
@@ -47,7 +49,7 @@ class SamplingParams:
              frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
              min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
              seed: int | Sequence[int] = 0, vocab_size: int | None = None,
-             bias_width: int | None = None) -> "SamplingParams":
+             bias_width: int | None = None, logprobs: int | None = None) -> "SamplingParams":
     """Validates on the host and broadcasts to [B] (ValueError naming the parameter).
 
     seed: one int (row b then draws from stream b of it) or one seed per row (stream 0 each, as a
@@ -67,6 +69,11 @@ class SamplingParams:
       check(num(v) and -2 <= v <= 2, f"{name} must be a number in [-2, 2] (0 = off), got {v}")
     check(num(repetition_penalty) and 0 < repetition_penalty <= 10,
           f"repetition_penalty must be in (0, 10] (1 = off), got {repetition_penalty}")
+    check(logprobs is None or (isinstance(logprobs, (int, np.integer))
+                               and not isinstance(logprobs, bool)
+                               and 0 <= logprobs <= MAX_LOGPROBS),
+          f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (top alternatives per token) or "
+          f"None, got {logprobs!r}")
     check(isinstance(min_tokens, (int, np.integer)) and not isinstance(min_tokens, bool)
           and min_tokens >= 0, f"min_tokens must be an integer >= 0, got {min_tokens}")
     bias = dict(logit_bias or {})
@@ -101,7 +108,8 @@ class SamplingParams:
                full(top_p, np.float32), full(min_p, np.float32),
                full(presence_penalty, np.float32), full(frequency_penalty, np.float32),
                full(repetition_penalty, np.float32), full(int(min_tokens), np.int32),
-               rows(ids), rows(vals), put(seeds), put(streams))
+               rows(ids), rows(vals), put(seeds), put(streams),
+               full(-1 if logprobs is None else int(logprobs), np.int32))
 
 
 def default_params(batch_size: int, bias_width: int = 1) -> SamplingParams:
@@ -111,7 +119,7 @@ def default_params(batch_size: int, bias_width: int = 1) -> SamplingParams:
                         f(0, jnp.float32), f(0, jnp.float32), f(1, jnp.float32), f(0, jnp.int32),
                         jnp.full((batch_size, bias_width), -1, jnp.int32),
                         jnp.zeros((batch_size, bias_width), jnp.float32), f(0, jnp.uint32),
-                        f(0, jnp.uint32))
+                        f(0, jnp.uint32), f(-1, jnp.int32))
 
 
 def row_keys(params: SamplingParams, index: jax.Array, salt: int) -> jax.Array:
@@ -138,6 +146,31 @@ class Output:
   done: jax.Array  # [B] bool
   counts: jax.Array  # [B, V] int32: how often each token was generated (penalties)
   prompt_seen: jax.Array  # [B, V] bool: tokens of the prompt (repetition penalty)
+  logprob: jax.Array  # [B, capacity + pad] f32: log-probability of each generated token
+  top_ids: jax.Array  # [B, capacity + pad, MAX_LOGPROBS] int32: the most likely tokens there
+  top_logprobs: jax.Array  # [B, capacity + pad, MAX_LOGPROBS] f32: their log-probabilities
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TokenLogprobs:
+  """Log-probabilities of M tokens per row under the distribution each was sampled from (after
+  every transform and the temperature; greedy rows: temperature 1), with the top alternatives."""
+  logprob: jax.Array  # [B, M] f32
+  top_ids: jax.Array  # [B, M, MAX_LOGPROBS] int32 (-1 past the vocabulary)
+  top_logprobs: jax.Array  # [B, M, MAX_LOGPROBS] f32
+
+
+# A program output: its structure is saved with exported programs (maverick.program_cache).
+jax.export.register_pytree_node_serialization(
+    TokenLogprobs, serialized_name="maverick.sampling.TokenLogprobs",
+    serialize_auxdata=lambda aux: b"", deserialize_auxdata=lambda data: ())
+
+
+def no_logprobs(batch: int, m: int) -> TokenLogprobs:
+  return TokenLogprobs(jnp.zeros((batch, m), jnp.float32),
+                       jnp.full((batch, m, MAX_LOGPROBS), -1, jnp.int32),
+                       jnp.full((batch, m, MAX_LOGPROBS), -jnp.inf, jnp.float32))
 
 
 def init_output(batch_size: int, capacity: int, max_append: int, pad_id: int, prompt: jax.Array,
@@ -148,10 +181,12 @@ def init_output(batch_size: int, capacity: int, max_append: int, pad_id: int, pr
   seen = jnp.zeros((batch_size, vocab_size), bool).at[
       jnp.arange(batch_size)[:, None], jnp.where(in_prompt, prompt, vocab_size)].set(
           True, mode="drop")
+  lp = no_logprobs(batch_size, capacity + max_append)
   return Output(tokens=jnp.full((batch_size, capacity + max_append), pad_id, jnp.int32),
                 num_tokens=jnp.zeros((batch_size,), jnp.int32),
                 done=jnp.zeros((batch_size,), bool),
-                counts=jnp.zeros((batch_size, vocab_size), jnp.int32), prompt_seen=seen)
+                counts=jnp.zeros((batch_size, vocab_size), jnp.int32), prompt_seen=seen,
+                logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
 
 
 def empty_output(batch_size: int, vocab_size: int, columns: int = 1) -> Output:
@@ -161,11 +196,12 @@ def empty_output(batch_size: int, vocab_size: int, columns: int = 1) -> Output:
 
 
 def append(out: Output, new: jax.Array, num_new: jax.Array, stop_ids: jax.Array,
-           max_tokens: jax.Array, pad_id: int) -> Output:
+           max_tokens: jax.Array, pad_id: int, logprobs: TokenLogprobs | None = None) -> Output:
   """Appends up to num_new[b] tokens of new [B, M] to each unfinished row.
 
   A row takes tokens up to and including its first stop token and never more than max_tokens[b] in
-  total; then it is done. stop_ids [B, n] is padded with -1. The taken tokens are counted.
+  total; then it is done. stop_ids [B, n] is padded with -1. The taken tokens are counted, and
+  their `logprobs` (if given) written beside them.
   """
   B, M = new.shape
   V = out.counts.shape[1]
@@ -180,11 +216,18 @@ def append(out: Output, new: jax.Array, num_new: jax.Array, stop_ids: jax.Array,
   write = lambda row, vals, start: jax.lax.dynamic_update_slice_in_dim(row, vals, start, axis=0)
   tokens = jnp.where(out.done[:, None], out.tokens,
                      jax.vmap(write)(out.tokens, values.astype(jnp.int32), out.num_tokens))
+  if logprobs is None:
+    logprobs = no_logprobs(B, M)
+  # Entries past `take` land past num_tokens: never read, overwritten by the next append.
+  put = lambda buf, vals: jnp.where(out.done.reshape((B,) + (1,) * (buf.ndim - 1)), buf,
+                                    jax.vmap(write)(buf, vals.astype(buf.dtype), out.num_tokens))
   num = out.num_tokens + take
   done = out.done | (first_stop < take) | (num >= max_tokens)
   counts = out.counts.at[jnp.arange(B)[:, None], jnp.where(taken, new, V)].add(1, mode="drop")
   return Output(tokens=tokens, num_tokens=num, done=done, counts=counts,
-                prompt_seen=out.prompt_seen)
+                prompt_seen=out.prompt_seen, logprob=put(out.logprob, logprobs.logprob),
+                top_ids=put(out.top_ids, logprobs.top_ids),
+                top_logprobs=put(out.top_logprobs, logprobs.top_logprobs))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,14 +342,56 @@ def draw(keys: jax.Array, log_probs: jax.Array, params: SamplingParams) -> jax.A
                       lambda: jnp.argmax(log_probs, axis=-1)).astype(jnp.int32)
 
 
+def logprob_lists(logprob, top_ids, top_logprobs, n: int, top: int) -> list:
+  """Host arrays of one row ([M], [M, MAX_LOGPROBS] x2) -> the first n tokens' (logprob, [(id,
+  logprob)] of the `top` best)."""
+  return [(float(logprob[i]), [(int(t), float(v)) for t, v in
+                               zip(top_ids[i, :top], top_logprobs[i, :top])]) for i in range(n)]
+
+
+def any_logprobs(params: SamplingParams) -> jax.Array:
+  return jnp.any(params.logprobs >= 0)
+
+
+def _logprobs_of_adjusted(adjusted_btv: jax.Array, params: SamplingParams,
+                          tokens_bt: jax.Array) -> TokenLogprobs:
+  B, T, V = adjusted_btv.shape
+  per_position = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), params)
+  logp = jax.nn.log_softmax(processed_logits(adjusted_btv.reshape(B * T, V), per_position), -1)
+  logp = logp.reshape(B, T, V)
+  n = min(MAX_LOGPROBS, V)
+  top_lp, top_ids = jax.lax.top_k(logp, n)
+  pad = ((0, 0), (0, 0), (0, MAX_LOGPROBS - n))
+  return TokenLogprobs(jnp.take_along_axis(logp, tokens_bt[..., None], axis=-1)[..., 0],
+                       jnp.pad(top_ids.astype(jnp.int32), pad, constant_values=-1),
+                       jnp.pad(top_lp, pad, constant_values=-jnp.inf))
+
+
+def token_logprobs(logits_btv: jax.Array, params: SamplingParams, out: Output,
+                   stop_ids: jax.Array, tokens_bt: jax.Array,
+                   extra: jax.Array | None = None) -> TokenLogprobs:
+  """Logprobs of tokens [B, T] at positions with raw logits [B, T, V] (history as `adjust`); no
+  [B, T, V] work unless some row asked for logprobs."""
+  B, T, _ = logits_btv.shape
+  return jax.lax.cond(
+      any_logprobs(params),
+      lambda l: _logprobs_of_adjusted(adjust(l, params, out, stop_ids, extra), params, tokens_bt),
+      lambda l: no_logprobs(B, T), logits_btv)
+
+
 def sample(logits: jax.Array, params: SamplingParams, out: Output,
-           stop_ids: jax.Array) -> jax.Array:
+           stop_ids: jax.Array) -> tuple[jax.Array, TokenLogprobs]:
   """The next token of each row [B] int32 after its history `out`, from the row's own stream at
-  token index out.num_tokens."""
+  token index out.num_tokens, and its logprobs [B, 1] (when some row asked for them)."""
   logits = adjust_rows(logits, params, out, stop_ids)
   greedy = jnp.argmax(logits, axis=-1)
   keys = row_keys(params, out.num_tokens, SALT_SAMPLE)
   drawn = jax.lax.cond(any_sampled(params),
                        lambda: _categorical(keys, processed_logits(logits, params)),
                        lambda: greedy)
-  return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
+  token = jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
+  B = token.shape[0]
+  lp = jax.lax.cond(any_logprobs(params),
+                    lambda: _logprobs_of_adjusted(logits[:, None], params, token[:, None]),
+                    lambda: no_logprobs(B, 1))
+  return token, lp

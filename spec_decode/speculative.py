@@ -32,7 +32,7 @@ from maverick.model import Llama4, TreeMask
 from spec_decode.draft import Eagle3Draft
 from spec_decode.tree import (MAX_DRAFT_DEPTH, TreeShape, commit_path, draft_tree, gather_path, verify_layout,
                               verify_tree)
-from spec_decode.verify import Candidates, chain_parents, verify_chain
+from spec_decode.verify import Candidates, chain_history, chain_parents, verify_chain
 
 
 # Named scopes of a round's pieces: a profile of one generate call attributes every compiled op to
@@ -109,7 +109,7 @@ def round_fns(target: Llama4, draft: Eagle3Draft, params: sampling.SamplingParam
   (maverick/serving). body maps the carry (step, x0, L, result, cand, cache, dcache, stats) to
   the next round's; rows stop on stop_ids [B, n] / max_tokens [B]. Done rows commit nothing.
   Every random draw comes from the rows' own streams (params.seed), keyed by token index."""
-  stop = lambda out, new, n: sampling.append(out, new, n, stop_ids, max_tokens, pad_id)
+  stop = lambda out, new, n, lp: sampling.append(out, new, n, stop_ids, max_tokens, pad_id, lp)
   aux = draft.config.aux_layer_ids
   V = target.config.vocab_size
   embed = target.embed[...]
@@ -123,14 +123,15 @@ def round_fns(target: Llama4, draft: Eagle3Draft, params: sampling.SamplingParam
 
   def verify(x0, cand, cache, L, result):
     """One target forward over [x0, candidates] -> (cache with the accepted path at L.., the
-    path's features [B, width+1, 3D], its draft tokens [B, width], accepted n, next token)."""
+    path's features [B, width+1, 3D], its draft tokens [B, width], accepted n, next token, the
+    target logits along the path [B, width+1, V])."""
     tokens = jnp.concatenate([x0[:, None], cand.tokens], axis=1)
     if tree is None:
       with jax.named_scope(SCOPES["verify"]):
         out = target(tokens, cache=cache.with_lengths(L), capture_layers=aux)
       with jax.named_scope(SCOPES["accept"]):
         n, nxt = verify_chain(out.logits, cand, params, result, stop_ids)
-      return out.cache, _features(out.hidden), cand.tokens, n, nxt
+      return out.cache, _features(out.hidden), cand.tokens, n, nxt, out.logits
     parents, depths, ancestors = verify_layout(cand, tree.depth)
     positions = L[:, None] + depths
     with jax.named_scope(SCOPES["verify"]):
@@ -140,18 +141,21 @@ def round_fns(target: Llama4, draft: Eagle3Draft, params: sampling.SamplingParam
       n, nxt, path = verify_tree(out.logits, tokens, parents, depths, ancestors, params, result,
                                  stop_ids, tree.depth)
       return (commit_path(out.cache, L, path), gather_path(_features(out.hidden), path),
-              gather_path(tokens, path)[:, 1:], n, nxt)
+              gather_path(tokens, path)[:, 1:], n, nxt, gather_path(out.logits, path))
 
   def body(carry):
     step, x0, L, result, cand, cache, dcache, stats = carry
     B = x0.shape[0]
     with jax.named_scope(SCOPES["bookkeeping"]):
       active = ~result.done
-    cache, features, path_tokens, n, nxt = verify(x0, cand, cache, L, result)
+    cache, features, path_tokens, n, nxt, path_logits = verify(x0, cand, cache, L, result)
     with jax.named_scope(SCOPES["bookkeeping"]):
       emitted = jnp.concatenate([path_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
       emitted = jnp.where(jnp.arange(width + 1)[None, :] == n[:, None], nxt[:, None], emitted)
-      result = stop(result, emitted, n + 1)
+      # Each emitted token's logprobs under p at its position (drafts before it in the history).
+      logprobs = sampling.token_logprobs(path_logits, params, result, stop_ids, emitted,
+                                         chain_history(path_tokens))
+      result = stop(result, emitted, n + 1, logprobs)
       stats = SpecStats(
           stats.rounds + active, stats.accepted + jnp.where(active, n + 1, 0),
           stats.accepted_at + (active[:, None] & (jnp.arange(width)[None, :] < n[:, None])))
@@ -176,8 +180,8 @@ def spec_prefill(target: Llama4, draft: Eagle3Draft, propose, req: plain.Request
   params = req.sampling
   embed = target.embed[...]
   out, cache = plain.prefill(target, req, capacity, capture_layers=aux)
-  x0 = sampling.sample(out.logits, params, result, req.stop_ids)
-  result = stop(result, x0[:, None], jnp.ones((B,), jnp.int32))
+  x0, logprobs = sampling.sample(out.logits, params, result, req.stop_ids)
+  result = stop(result, x0[:, None], jnp.ones((B,), jnp.int32), logprobs)
   L = req.prompt_lengths
   # Draft position p pairs the target feature at p with the token at p+1.
   shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -196,7 +200,8 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
   target: Llama4 = nnx.merge(tgt_graphdef, tgt_state)
   draft: Eagle3Draft = nnx.merge(dr_graphdef, dr_state)
   B = req.prompt.shape[0]
-  stop = lambda out, new, n: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens, pad_id)
+  stop = lambda out, new, n, lp: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens,
+                                                 pad_id, lp)
   width = k if tree is None else tree.depth  # draft tokens on one accepted path
   propose, body = round_fns(target, draft, req.sampling, req.stop_ids, req.max_new_tokens, pad_id,
                             k=k, tree=tree)
@@ -211,7 +216,8 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
   carry = (1, x0, L, result, cand, cache, dcache, stats)
   carry = jax.lax.while_loop(cond, body, carry)
   result, stats = carry[3], carry[7]
-  return result.tokens[:, :steps], result.num_tokens, stats
+  return (result.tokens[:, :steps], result.num_tokens, stats,
+          plain.output_logprobs(result, steps))
 
 
 spec_generate_jit = jax.jit(
@@ -316,11 +322,12 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
       max_cache_len=max_cache_len, pad_id=pad_id, **options)
   start = time.perf_counter()
-  tokens, num, stats = exe(*args)
+  tokens, num, stats, lp = exe(*args)
   tokens, num = sharding.to_host(tokens), sharding.to_host(num)
+  logprobs = plain.host_logprobs(lp, num, options.get("logprobs"))
   stats = jax.tree.map(sharding.to_host, stats)
   run_s = time.perf_counter() - start
   return SpecGeneration(
       tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)], num_tokens=num,
-      compile_seconds=compile_s, run_seconds=run_s, rounds=stats.rounds,
+      compile_seconds=compile_s, run_seconds=run_s, logprobs=logprobs, rounds=stats.rounds,
       accepted=stats.accepted, accepted_at=stats.accepted_at)

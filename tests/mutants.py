@@ -133,9 +133,9 @@ MUTANTS = [
            "shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)",
            "shifted = req.prompt", TEACHER),
     Mutant("stop token seen only at the end of a round", S, "round_fns",
-           "result = stop(result, emitted, n + 1)",
+           "result = stop(result, emitted, n + 1, logprobs)",
            "result = sampling.append(result, emitted, n + 1, jnp.where(jnp.any(nxt[:, None] == "
-           "stop_ids, axis=1, keepdims=True), stop_ids, -1), max_tokens, pad_id)",
+           "stop_ids, axis=1, keepdims=True), stop_ids, -1), max_tokens, pad_id, logprobs)",
            TEACHER),
     Mutant("finished rows still count rounds", S, "round_fns",
            "stats.rounds + active,", "stats.rounds + 1,", TEACHER[2:]),

@@ -106,6 +106,12 @@ def teacher_greedy(mode: str, batch: int, case=None):
 # ---------------------------------------------------------------------------------------------
 SAMPLE_PROMPT, N_TOK, ROWS, CALLS = [3, 11, 7], 4, 4000, 2
 SAMPLING = {"temp": dict(temperature=1.0), "top_p": dict(temperature=1.0, top_p=0.8)}
+# Logit transforms that read the history (the drafts accepted before a position count too).
+ADJUSTED = {
+    "penalties": dict(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
+                      repetition_penalty=1.8, logit_bias={3: 1.5, 11: -2.0, 20: 1.0}),
+    "min_p_bias": dict(temperature=0.8, min_p=0.12, logit_bias={5: 2.5, 7: -1.0}),
+}
 CHI2_CHAIN_K, CHI2_TREE = 2, "2x3x6"  # N_TOK >= K + 2 / depth + 2: token 3 can be a bonus
 P_FAIL = 1e-3
 
@@ -141,6 +147,15 @@ class SamplingCase:
     self.chain_draft = _flat_subvocab_draft(self.tree_draft)
     self.exact = {name: so.exact_joint(self.target, SAMPLE_PROMPT, N_TOK, **filt)
                   for name, filt in SAMPLING.items()}
+    self._adjusted = {}
+
+  def exact_of(self, setting):
+    if setting in self.exact:
+      return self.exact[setting]
+    if setting not in self._adjusted:  # built on first use: the mutation runs never need them
+      self._adjusted[setting] = so.exact_joint(self.target, SAMPLE_PROMPT, N_TOK,
+                                               **ADJUSTED[setting])
+    return self._adjusted[setting]
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,11 +188,11 @@ def sampled_distribution(mode: str, setting: str):
   toks, last_level = [], []
   for seed in range(CALLS):
     out = spec.generate(target, draft, [SAMPLE_PROMPT] * ROWS, max_new_tokens=N_TOK,
-                        stop_tokens=[], seed=seed, **shape, **SAMPLING[setting])
+                        stop_tokens=[], seed=seed, **shape, **{**SAMPLING, **ADJUSTED}[setting])
     toks.append(np.asarray(out.tokens))
     last_level.append(out.acceptance_rates[-1])
   toks = np.concatenate(toks)
-  joint = c.exact[setting]
+  joint = c.exact_of(setting)
   V = SMALL.vocab_size
   axes = tuple(range(N_TOK))
   pvals = {}

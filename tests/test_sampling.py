@@ -45,7 +45,7 @@ def test_greedy_rows_ignore_the_key():
   params = sampling.SamplingParams.create(3, temperature=0.0, top_k=5, top_p=0.5)
   for seed in range(3):
     params.seed = jnp.full((3,), seed, jnp.uint32)
-    toks = sampling.sample(logits, params, sampling.empty_output(3, 40), jnp.full((3, 1), -1))
+    toks, _ = sampling.sample(logits, params, sampling.empty_output(3, 40), jnp.full((3, 1), -1))
     np.testing.assert_array_equal(np.asarray(toks), np.argmax(np.asarray(logits), -1))
 
 
@@ -58,7 +58,7 @@ def test_sample_frequencies_match_distribution():
   n = 20000
   params = sampling.SamplingParams.create(n, temperature, top_k, top_p)
   draws = np.asarray(sampling.sample(jnp.broadcast_to(jnp.asarray(logits), (n, 12)),
-                                     params, sampling.empty_output(n, 12), jnp.full((n, 1), -1)))
+                                     params, sampling.empty_output(n, 12), jnp.full((n, 1), -1))[0])
   counts = np.bincount(draws, minlength=12)
   assert counts[want == 0].sum() == 0
   support = want > 0

@@ -48,20 +48,23 @@ def loaded():
   return maverick.load("tiny")
 
 
-def _run(engine, prompts, max_tokens):
-  """Submits every prompt at once; returns each request's tokens (all events joined)."""
+def _run(engine, prompts, max_tokens, options=None, events=None):
+  """Submits every prompt at once; returns each request's tokens (all events joined).
+  options: per request, more submit arguments; events: a list that collects each one's events."""
   out = [[] for _ in prompts]
   done = [threading.Event() for _ in prompts]
 
   def callback(i):
     def on_event(event):
       out[i].extend(event.tokens)
+      if events is not None:
+        events[i].append(event)
       if event.done:
         done[i].set()
     return on_event
 
   for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-    engine.submit(p, callback(i), max_tokens=n)
+    engine.submit(p, callback(i), max_tokens=n, **(options[i] if options else {}))
   for i, d in enumerate(done):
     assert d.wait(WAIT_S), f"request {i} did not finish in {WAIT_S} s"
   assert engine.error is None, engine.error  # a failed engine ends every request with an error

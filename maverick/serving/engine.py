@@ -48,6 +48,7 @@ from maverick import sharding
 from spec_decode import speculative as spec
 
 DEFAULT_ROUNDS = 8
+LOGPROB_FIELDS = ("logprob", "top_ids", "top_logprobs")  # of sampling.Output, reported per step
 
 
 class RequestError(ValueError):
@@ -68,6 +69,12 @@ class Event:
   time: float = 0.0  # time.perf_counter() when the host read the step's results
   rounds: int = 0  # speculative: verify rounds so far
   accepted: int = 0  # speculative: tokens committed by those rounds
+  # With logprobs=N: per token of `tokens`, (its logprob, [(token id, logprob)] of the N most
+  # likely), under the distribution it was sampled from (see README, Sampling).
+  logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+  # With prompt_logprobs=True, on the first event: None for the first prompt token, then as
+  # `logprobs` for each prompt token after it (the model's raw distribution).
+  prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,6 +87,9 @@ class Handle:
   callback: Callable[[Event], None]
   params: sampling.SamplingParams
   stop_row: np.ndarray
+  logprobs: int | None = None
+  prompt_logprobs: bool = False
+  prompt_result: list | None = None  # computed at admission, sent with the first event
   submitted: float = 0.0
   admitted: float | None = None
   num_tokens: int = 0
@@ -203,13 +213,14 @@ class Engine:
     cols = self.max_seq_len + self.window
     result = plain.init_output(self.config, req, 1, cols - (self.width + 1), self.width + 1,
                                self.pad_id)
-    stop = lambda out, new, n: sampling.append(out, new, n, stop_ids, max_tokens, self.pad_id)
+    stop = lambda out, new, n, lp: sampling.append(out, new, n, stop_ids, max_tokens,
+                                                   self.pad_id, lp)
     row = dict(params=params, stop_ids=stop_ids, max_tokens=max_tokens,
                emitted=jnp.zeros((1,), jnp.int32))
     if draft is None:
       out, cache = plain.prefill(target, req, self.capacity)
-      token = sampling.sample(out.logits, params, result, stop_ids)
-      result = stop(result, token[:, None], jnp.ones((1,), jnp.int32))
+      token, logprobs = sampling.sample(out.logits, params, result, stop_ids)
+      result = stop(result, token[:, None], jnp.ones((1,), jnp.int32), logprobs)
       return dict(row, token=token, cache=cache, result=result)
     propose, _ = spec.round_fns(target, draft, params, stop_ids, max_tokens, self.pad_id,
                                 k=self.k, tree=self.tree)
@@ -247,8 +258,8 @@ class Engine:
     result = rows["result"]
     result = dataclasses.replace(result, done=result.done | release[:n])
     done0 = result.done
-    stop = lambda out, new, n: sampling.append(out, new, n, rows["stop_ids"], rows["max_tokens"],
-                                               self.pad_id)
+    stop = lambda out, new, n, lp: sampling.append(out, new, n, rows["stop_ids"],
+                                                   rows["max_tokens"], self.pad_id, lp)
 
     def cond(carry):
       step, result = carry[0], carry[3]
@@ -274,8 +285,10 @@ class Engine:
     take = lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, self.window)
     window = jax.vmap(take)(result.tokens, rows["emitted"])
     num_new = result.num_tokens - rows["emitted"]
+    report = dict(window=window, num_new=num_new, done=result.done,
+                  **{name: jax.vmap(take)(getattr(result, name), rows["emitted"])
+                     for name in LOGPROB_FIELDS})
     rows["emitted"] = result.num_tokens
-    report = dict(window=window, num_new=num_new, done=result.done)
     if draft is not None:
       report.update(rounds=rows["stats"].rounds, accepted=rows["stats"].accepted)
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, 0, axis=0)
@@ -326,11 +339,13 @@ class Engine:
              seed: int = 0, stop_tokens: Sequence[int] | None = None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
-             logit_bias: dict[int, float] | None = None) -> Handle:
+             logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
+             prompt_logprobs: bool = False) -> Handle:
     """Validates and queues a request (a RequestError, before it touches a slot, when it cannot
     run). The sampling options are those of `maverick.sampling.SamplingParams.create`; the
     request's random stream depends only on `seed`, so a seeded request samples the same tokens
-    whatever else runs beside it."""
+    whatever else runs beside it. logprobs=N (0..20) adds each token's logprob and the N most
+    likely alternatives to the events; prompt_logprobs=True adds the prompt's to the first."""
     self._raise_if_failed()
     cfg = self.config
     prompt = [int(t) for t in prompt]
@@ -361,10 +376,13 @@ class Engine:
     if len(stop_ids) > self.max_stop_ids:
       raise RequestError(f"at most {self.max_stop_ids} stop token ids per request, got "
                          f"{len(stop_ids)}")
+    if not isinstance(prompt_logprobs, bool):
+      raise RequestError(f"prompt_logprobs must be true or false, got {prompt_logprobs!r}",
+                         "prompt_logprobs")
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                    repetition_penalty=repetition_penalty, min_tokens=min_tokens,
-                   logit_bias=logit_bias)
+                   logit_bias=logit_bias, logprobs=logprobs)
     if logit_bias is not None and not isinstance(logit_bias, dict):
       raise RequestError(f"logit_bias must be a map of token id to bias, got {logit_bias!r}",
                          "logit_bias")
@@ -377,6 +395,8 @@ class Engine:
     h = Handle(id=next(self._ids), prompt=prompt, max_tokens=int(max_tokens),
                stop_ids=frozenset(int(t) for t in stop_row if t != plain.NO_STOP),
                callback=callback, params=params, stop_row=stop_row,
+               logprobs=None if logprobs is None else int(logprobs),
+               prompt_logprobs=bool(prompt_logprobs),
                submitted=time.perf_counter())
     with self._failure:  # not queued after the engine failed: it would wait forever
       self._raise_if_failed()
@@ -470,6 +490,8 @@ class Engine:
         h = None
       if h is None:
         return
+      if h.prompt_logprobs:  # a forward of its own: the insert program keeps one shape
+        h.prompt_result = plain.prompt_logprobs(self.model, h.prompt, h.logprobs or 0)
       exe = self._exes[self.bucket(len(h.prompt))]
       args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens)
       self._slots_state = exe(self._states, self._slots_state, *args)
@@ -477,7 +499,10 @@ class Engine:
       h.admitted = time.perf_counter()
 
   def _process(self, report, owners) -> None:
-    report = jax.tree.map(sharding.to_host, report)
+    # The logprob windows come to the host only when a request in the step asked for them.
+    wanted = any(h is not None and h.logprobs is not None for h in owners)
+    report = {name: sharding.to_host(v) for name, v in report.items()
+              if wanted or name not in LOGPROB_FIELDS}
     now = time.perf_counter()
     for b, h in enumerate(owners):
       if h is None or h.finished or h.cancelled:
@@ -497,6 +522,10 @@ class Engine:
         if self._owner[b] is h:
           self._owner[b] = None
       if n or done:
+        logprobs = None if h.logprobs is None else sampling.logprob_lists(
+            *(report[name][b] for name in LOGPROB_FIELDS), n, h.logprobs)
         h.callback(Event(tokens, done, reason, now,
                          int(report["rounds"][b]) if "rounds" in report else 0,
-                         int(report["accepted"][b]) if "accepted" in report else 0))
+                         int(report["accepted"][b]) if "accepted" in report else 0, logprobs,
+                         h.prompt_result))
+        h.prompt_result = None  # the first event carries them
