@@ -218,9 +218,13 @@ def append(out: Output, new: jax.Array, num_new: jax.Array, stop_ids: jax.Array,
                      jax.vmap(write)(out.tokens, values.astype(jnp.int32), out.num_tokens))
   if logprobs is None:
     logprobs = no_logprobs(B, M)
-  # Entries past `take` land past num_tokens: never read, overwritten by the next append.
-  put = lambda buf, vals: jnp.where(out.done.reshape((B,) + (1,) * (buf.ndim - 1)), buf,
-                                    jax.vmap(write)(buf, vals.astype(buf.dtype), out.num_tokens))
+  # Entries past `take` land past num_tokens: never read, overwritten by the next append. Done
+  # rows write back what they hold: an [B, M] select, not one over the whole [B, C, N] buffer.
+  def put(buf, vals):
+    read = lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, M, axis=0)
+    held = jax.vmap(read)(buf, out.num_tokens)
+    vals = jnp.where(out.done.reshape((B,) + (1,) * (vals.ndim - 1)), held, vals.astype(buf.dtype))
+    return jax.vmap(write)(buf, vals, out.num_tokens)
   num = out.num_tokens + take
   done = out.done | (first_stop < take) | (num >= max_tokens)
   counts = out.counts.at[jnp.arange(B)[:, None], jnp.where(taken, new, V)].add(1, mode="drop")
