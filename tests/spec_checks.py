@@ -317,6 +317,8 @@ CHECKS = {
     "fp8 tree commit": fp8_tree_commit,
     **{f"chi2 {mode} {setting}": functools.partial(sampled_distribution, mode, setting)
        for mode in ("chain", "tree") for setting in SAMPLING},
+    **{f"chi2 {mode} {setting}": functools.partial(sampled_distribution, mode, setting)
+       for mode in ("chain", "tree") for setting in ADJUSTED},
 }
 
 
