@@ -215,7 +215,7 @@ def test_compiled_loop_has_no_host_communication(fixture_model, random_draft):
 def test_no_device_to_host_transfer_inside_call(fixture_model, random_draft):
   args, static = _device_args(fixture_model, random_draft, [[4, 5, 6]], max_new_tokens=6)
   with jax.transfer_guard_device_to_host("disallow"):
-    tokens, num, stats = spec.spec_generate_jit(*args, **static)
+    tokens, num, stats, _ = spec.spec_generate_jit(*args, **static)
     tokens.block_until_ready()
   assert int(num[0]) == 6
 
