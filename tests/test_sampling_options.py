@@ -128,7 +128,9 @@ def _host_greedy(target, prompt, n, stop, **opts):
   graphdef, state = nnx.split(target)
   seq = list(prompt)
   for _ in range(n):
-    logits = np.asarray(model_lib.apply(graphdef, state, jnp.asarray([seq])).logits[:, -1])
+    # Right-padded to one length (one compile): a causal forward's logits at len-1 ignore the pad.
+    padded = jnp.asarray([seq + [0] * (32 - len(seq))])
+    logits = np.asarray(model_lib.apply(graphdef, state, padded).logits[:, len(seq) - 1])
     p = so.adjusted_probs(logits, prompt, np.asarray([seq[len(prompt):]]), 0.0, stop=stop,
                           **opts)
     seq.append(int(p[0].argmax()))
