@@ -11,6 +11,7 @@ in isolation (target verify of K+1 tokens, draft extend + chain, the rest = acce
 bookkeeping). Results go to benchmarks/results/spec_decode_<device>.{json,md}.
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -83,6 +84,10 @@ def _round_breakdown(loaded, draft, k, prompt, repeats):
   aux = draft.config.aux_layer_ids
   n = 50
   params = sampling.SamplingParams.create(1)
+  stop_ids = jnp.full((1, 1), -1, jnp.int32)
+  # A history whose token index is i: the rows' random streams differ per iteration.
+  history = lambda i: dataclasses.replace(sampling.empty_output(1, V),
+                                          num_tokens=jnp.full((1,), i, jnp.int32))
 
   def setup(ts, ds, req):
     t, d = nnx.merge(tg, ts), nnx.merge(dg, ds)
@@ -117,7 +122,7 @@ def _round_breakdown(loaded, draft, k, prompt, repeats):
     dout = d(tokens(i), d.fuse(_features(hidden)), t.embed[...], cache=dcache.with_lengths(L),
              logits_at=jnp.zeros((1,), jnp.int32))
     cand, dc = draft_chain(d, dout.logits, dout.hidden, dout.cache, L + 1, t.embed[...], params,
-                           jax.random.key(i), k=k, vocab=V)
+                           history(i), stop_ids, k=k, vocab=V)
     return _consume(cand.tokens, cand.probs, dc.k, dc.v)
 
   def accept(t, d, i):
@@ -125,12 +130,12 @@ def _round_breakdown(loaded, draft, k, prompt, repeats):
     from spec_decode.verify import Candidates, chain_parents
     q = jax.nn.one_hot(cand_tokens, V)
     nacc, nxt = verify_chain(logits, Candidates(cand_tokens, q, chain_parents(k)), params,
-                             jax.random.key(i))
+                             history(i), stop_ids)
     return _consume(nacc, nxt)
 
   def plain_step(t, d, i):
     out = t(tokens(i)[:, :1], cache=cache.with_lengths(L))
-    return _consume(sampling.sample(out.logits[:, 0], jax.random.key(i), params), out.cache.k,
+    return _consume(sampling.sample(out.logits[:, 0], params, history(i), stop_ids)[0], out.cache.k,
                     out.cache.v)
 
   def _consume(*outs):

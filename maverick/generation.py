@@ -45,15 +45,17 @@ class Request:
   prompt_lengths: jax.Array  # [B] int32
   max_new_tokens: jax.Array  # [B] int32
   stop_ids: jax.Array  # [B, n] int32, padded with -1
-  seed: jax.Array  # [] uint32
-  sampling: sampling.SamplingParams
+  sampling: sampling.SamplingParams  # per-row parameters and random streams (seeds)
 
 
 def prepare(cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
-            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+            seed: int | Sequence[int] = 0,
             stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
-            max_cache_len: int | None = None) -> tuple[Request, int, int]:
-  """Validates and pads on the host. Returns (request, decode steps bucket, cache capacity)."""
+            max_cache_len: int | None = None, **options) -> tuple[Request, int, int]:
+  """Validates and pads on the host. Returns (request, decode steps bucket, cache capacity).
+  options: the further sampling options of `maverick.sampling.SamplingParams.create` (min_p,
+  presence_penalty, frequency_penalty, repetition_penalty, min_tokens, logit_bias)."""
   if isinstance(prompts, np.ndarray):
     prompts = prompts.tolist()
   if not prompts:
@@ -69,8 +71,6 @@ def prepare(cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequ
     if bad:
       raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary "
                        f"[0, {cfg.vocab_size})")
-  if not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**32):
-    raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
   B = len(rows)
   max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (B,)).copy()
   if (max_new < 1).any():
@@ -98,13 +98,14 @@ def prepare(cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequ
   for i, p in enumerate(rows):
     padded[i, :len(p)] = p
   stop = _stop_matrix(cfg, B, stop_tokens)
-  params = sampling.SamplingParams.create(B, temperature, top_k, top_p)
+  params = sampling.SamplingParams.create(B, temperature, top_k, top_p, seed=seed,
+                                          vocab_size=cfg.vocab_size, **options)
   # device_put, not jnp.asarray: the latter compiles a small program per new shape, and a generate
   # call must be exactly one compiled executable.
   put = jax.device_put
   req = Request(prompt=put(padded), prompt_lengths=put(lengths),
                 max_new_tokens=put(max_new.astype(np.int32)), stop_ids=put(stop),
-                seed=put(np.uint32(seed)), sampling=params)
+                sampling=params)
   return req, steps, capacity
 
 
@@ -166,41 +167,62 @@ def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=()):
   return out, out.cache.with_lengths(req.prompt_lengths)
 
 
-def decode_round(model: Llama4, token, cache, result: sampling.Output, key, params, stop):
+def decode_round(model: Llama4, token, cache, result: sampling.Output, params, stop_ids, stop):
   """One decode step of every row: the loop body of `_generate` and of the serving engine
-  (maverick/serving). Done rows commit nothing. stop(result, new [B, M], num_new [B]) appends."""
+  (maverick/serving). Done rows commit nothing. stop(result, new [B, M], num_new [B], logprobs)
+  appends."""
   out = model(token[:, None], cache=cache)
   # Finished rows keep their length: their (ignored) writes stay at one slot.
   cache = out.cache.with_lengths(jnp.where(result.done, cache.lengths, out.cache.lengths))
-  key, sub = jax.random.split(key)
-  token = sampling.sample(out.logits[:, 0], sub, params)
-  result = stop(result, token[:, None], (~result.done).astype(jnp.int32))
-  return token, cache, result, key
+  token, logprobs = sampling.sample(out.logits[:, 0], params, result, stop_ids)
+  result = stop(result, token[:, None], (~result.done).astype(jnp.int32), logprobs)
+  return token, cache, result
+
+
+def init_output(cfg, req: Request, batch: int, capacity: int, max_append: int, pad_id: int):
+  """The empty output of `req` (with its prompts' tokens marked for the repetition penalty)."""
+  return sampling.init_output(batch, capacity, max_append, pad_id, req.prompt, req.prompt_lengths,
+                              cfg.vocab_size)
 
 
 def _generate(graphdef: nnx.GraphDef, state: nnx.State, req: Request, *, steps: int,
               capacity: int, pad_id: int):
   model = nnx.merge(graphdef, state)
   B = req.prompt.shape[0]
-  key = jax.random.key(req.seed)
   out, cache = prefill(model, req, capacity)
-  key, sub = jax.random.split(key)
-  token = sampling.sample(out.logits, sub, req.sampling)
-  stop = functools.partial(sampling.append, stop_ids=req.stop_ids,
-                           max_tokens=req.max_new_tokens, pad_id=pad_id)
-  result = stop(sampling.init_output(B, steps, 1, pad_id), token[:, None], jnp.ones((B,), jnp.int32))
+  stop = lambda out, new, n, lp: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens,
+                                                 pad_id, lp)
+  result = init_output(model.config, req, B, steps, 1, pad_id)
+  token, logprobs = sampling.sample(out.logits, req.sampling, result, req.stop_ids)
+  result = stop(result, token[:, None], jnp.ones((B,), jnp.int32), logprobs)
 
   def cond(carry):
-    step, _, _, result, _ = carry
+    step, _, _, result = carry
     return (step < steps) & ~jnp.all(result.done)
 
   def body(carry):
-    step, token, cache, result, key = carry
-    token, cache, result, key = decode_round(model, token, cache, result, key, req.sampling, stop)
-    return step + 1, token, cache, result, key
+    step, token, cache, result = carry
+    token, cache, result = decode_round(model, token, cache, result, req.sampling, req.stop_ids,
+                                        stop)
+    return step + 1, token, cache, result
 
-  _, _, _, result, _ = jax.lax.while_loop(cond, body, (1, token, cache, result, key))
-  return result.tokens[:, :steps], result.num_tokens
+  _, _, _, result = jax.lax.while_loop(cond, body, (1, token, cache, result))
+  return result.tokens[:, :steps], result.num_tokens, output_logprobs(result, steps)
+
+
+def output_logprobs(result: sampling.Output, steps: int) -> sampling.TokenLogprobs:
+  return sampling.TokenLogprobs(result.logprob[:, :steps], result.top_ids[:, :steps],
+                                result.top_logprobs[:, :steps])
+
+
+def host_logprobs(lp: sampling.TokenLogprobs, num, top: int | None):
+  """Per row [(logprob, [(id, logprob)] * top)] per token from the program's output, or None
+  when no logprobs were asked for (nothing is fetched then)."""
+  if top is None:
+    return None
+  lp = jax.tree.map(sharding.to_host, lp)
+  return [sampling.logprob_lists(lp.logprob[b], lp.top_ids[b], lp.top_logprobs[b], int(n), top)
+          for b, n in enumerate(num)]
 
 
 generate_jit = jax.jit(_generate, static_argnames=("graphdef", "steps", "capacity", "pad_id"))
@@ -262,6 +284,8 @@ class Generation:
   num_tokens: np.ndarray  # [B]
   compile_seconds: float  # 0.0 when the program for this bucket was already compiled
   run_seconds: float  # the device call, results fetched
+  # With logprobs=N: per row, per token (logprob, [(token id, logprob)] of the N most likely).
+  logprobs: list | None = None
 
   @property
   def tokens_per_second(self) -> float:
@@ -269,14 +293,16 @@ class Generation:
 
 
 def program(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=64,
-            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-            stop_tokens=None, max_cache_len: int | None = None, pad_id: int | None = None):
+            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+            seed: int | Sequence[int] = 0, stop_tokens=None, max_cache_len: int | None = None,
+            pad_id: int | None = None, **options):
   """(compiled program, its arguments, compile seconds) of one `generate` call: `generate` runs
   exactly `exe(*args)`, so a benchmark or profiler that calls this measures the same program
   (cache capacity, buckets and kernels included)."""
   req, steps, capacity = prepare(
       model.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-      top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
+      top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len,
+      **options)
   req = sharding.place_request(req, sharding.plan_of(model))
   graphdef, state = nnx.split(model)
   capacity = kernels_lib.cache_capacity(capacity, model)
@@ -286,22 +312,56 @@ def program(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=6
 
 
 def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=64,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             stop_tokens=None, max_cache_len: int | None = None,
-             pad_id: int | None = None) -> Generation:
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int | Sequence[int] = 0, stop_tokens=None, max_cache_len: int | None = None,
+             pad_id: int | None = None, **options) -> Generation:
   """Generates continuations of a batch of token-id prompts in one device call.
 
   stop_tokens: one list for all rows or one list per row (default: the config's eos ids).
+  seed: one int (row b draws from stream b of it) or one seed per row (a row then samples what a
+  single request with that seed samples, whatever the batch). options: min_p, presence_penalty,
+  frequency_penalty, repetition_penalty, min_tokens, logit_bias ({token id: bias}), logprobs (N
+  in 0..20: each token's logprob and the N most likely alternatives, in `Generation.logprobs`), as
+  in `maverick.sampling.SamplingParams.create`.
   """
   exe, args, compile_s = program(
       model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-      top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len, pad_id=pad_id)
+      top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len, pad_id=pad_id,
+      **options)
   start = time.perf_counter()
-  tokens, num = exe(*args)
+  tokens, num, lp = exe(*args)
   tokens, num = sharding.to_host(tokens), sharding.to_host(num)
+  logprobs = host_logprobs(lp, num, options.get("logprobs"))
   run_s = time.perf_counter() - start
   return Generation(tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)], num_tokens=num,
-                    compile_seconds=compile_s, run_seconds=run_s)
+                    compile_seconds=compile_s, run_seconds=run_s, logprobs=logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prompt_logprobs(graphdef, state, prompt):
+  """Full-sequence forward: the logprob of prompt token t+1 after tokens 0..t and the top
+  alternatives there, under the model's raw distribution (f32 logits, no sampling transform)."""
+  logits = nnx.merge(graphdef, state)(prompt).logits[:, :-1]
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  n = min(sampling.MAX_LOGPROBS, logp.shape[-1])
+  top_lp, top_ids = jax.lax.top_k(logp, n)
+  pad = ((0, 0), (0, 0), (0, sampling.MAX_LOGPROBS - n))
+  return sampling.TokenLogprobs(
+      jnp.take_along_axis(logp, prompt[:, 1:, None], axis=-1)[..., 0],
+      jnp.pad(top_ids.astype(jnp.int32), pad, constant_values=-1),
+      jnp.pad(top_lp, pad, constant_values=-jnp.inf))
+
+
+def prompt_logprobs(model: Llama4, prompt: Sequence[int], top: int = 0) -> list:
+  """Prompt logprobs (OpenAI `echo`): [None] for the first token, then per token (logprob, [(id,
+  logprob)] of the `top` most likely) from one forward over the whole prompt (padded to its
+  length bucket; it holds [T, V] f32 logits)."""
+  n = len(prompt)
+  padded = np.zeros((1, bucket(n)), np.int32)
+  padded[0, :n] = prompt
+  lp = jax.tree.map(sharding.to_host, _prompt_logprobs(*nnx.split(model), jax.device_put(padded)))
+  return [None] + sampling.logprob_lists(lp.logprob[0], lp.top_ids[0], lp.top_logprobs[0],
+                                         n - 1, top)
 
 
 def resolve_pad_id(cfg, pad_id) -> int:

@@ -274,9 +274,9 @@ def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: in
   def round_(ts, tscales, ds, x0, cand_tokens, cache, dcache):
     target = merge_quantized(tg, ts, tscales, dt)
     draft = nnx.merge(dg, ds)
-    params = sampling.SamplingParams(jnp.zeros((batch,)), jnp.zeros((batch,), jnp.int32),
-                                     jnp.ones((batch,)))
-    key = jax.random.key(0)
+    params = sampling.default_params(batch)
+    history = sampling.empty_output(batch, V)
+    stop_ids = jnp.full((batch, 1), -1, jnp.int32)
     L = cache.lengths
     # Greedy candidates are one-hot: their probabilities only matter through the token ids.
     cand = Candidates(cand_tokens, jax.nn.one_hot(cand_tokens, V, dtype=jnp.float32),
@@ -284,12 +284,13 @@ def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: in
     tokens = jnp.concatenate([x0[:, None], cand_tokens], axis=1)
     out = target(tokens, cache=sharding.constrain_cache(cache, plan),
                  capture_layers=dcfg.aux_layer_ids)
-    n, nxt = verify_chain(out.logits, cand, params, key)
+    n, nxt = verify_chain(out.logits, cand, params, history, stop_ids)
     emitted = jnp.concatenate([cand_tokens, nxt[:, None]], axis=1)
     dout = draft(emitted, draft.fuse(speculative._features(out.hidden)), target.embed[...],
                  cache=sharding.constrain_cache(dcache, plan).with_lengths(L), logits_at=n)
     new, dcache = speculative.draft_chain(draft, dout.logits, dout.hidden, dout.cache, L + n + 1,
-                                          target.embed[...], params, key, k=k, vocab=V)
+                                          target.embed[...], params, history, stop_ids, k=k,
+                                          vocab=V)
     return (n, nxt, new.tokens, sharding.constrain_cache(out.cache, plan),
             sharding.constrain_cache(dcache, plan))
 

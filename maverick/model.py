@@ -582,14 +582,18 @@ class Llama4(nnx.Module):
     return w[...].T if self.config.tie_word_embeddings else w[...]
 
   def logits(self, x_btd, normed=None):
-    """`normed`: final_norm(x_btd) when the caller has it (the last layer's fused site)."""
+    """float32 logits: sampling and argmax decide on f32 values (bf16 rounding makes near-ties
+    exact ties, broken differently under different batch sizes). `normed`: final_norm(x_btd) when
+    the caller has it (the last layer's fused site)."""
     x = self.final_norm(x_btd) if normed is None else normed
     q = self.config.quant
     if self.config.tie_word_embeddings:
       return contraction.einsum("...d,vd->...v", x, self.embed[...], _value(self.embed_scale), q,
-                                kernels=self.kernels, placement=_placement(self, self.embed))
+                                out_dtype=jnp.float32, kernels=self.kernels,
+                                placement=_placement(self, self.embed))
     return contraction.einsum("...d,dv->...v", x, self.lm_head[...], _value(self.lm_head_scale), q,
-                              kernels=self.kernels, placement=_placement(self, self.lm_head))
+                              out_dtype=jnp.float32, kernels=self.kernels,
+                              placement=_placement(self, self.lm_head))
 
   def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,

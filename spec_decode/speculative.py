@@ -32,7 +32,7 @@ from maverick.model import Llama4, TreeMask
 from spec_decode.draft import Eagle3Draft
 from spec_decode.tree import (MAX_DRAFT_DEPTH, TreeShape, commit_path, draft_tree, gather_path, verify_layout,
                               verify_tree)
-from spec_decode.verify import Candidates, chain_parents, verify_chain
+from spec_decode.verify import Candidates, chain_history, chain_parents, verify_chain
 
 
 # Named scopes of a round's pieces: a profile of one generate call attributes every compiled op to
@@ -59,99 +59,108 @@ def _features(hidden):  # [3, B, T, D] captured layer outputs -> [B, T, 3D], low
   return jnp.concatenate(list(hidden), axis=-1)
 
 
-def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, params, key, *,
-                k: int, vocab: int) -> tuple[Candidates, object]:
+def draft_chain(draft: Eagle3Draft, logits, hidden, dcache, committed, embed, params,
+                result: sampling.Output, stop_ids, *, k: int, vocab: int
+                ) -> tuple[Candidates, object]:
   """From the draft's output at the last committed position, draft K candidates by a chain of
   single-token draft steps at positions committed, committed+1, ... (overwriting stale entries).
+  q of draft j gets the target's logit transforms with the committed history `result` plus drafts
+  0..j-1, and its draw comes from the row's stream at token index result.num_tokens + j.
   The K-1 draft steps are one `fori_loop`, so compile time does not grow with K."""
   B = logits.shape[0]
 
-  def sample(j, logits, key, tokens, probs):
+  def sample(j, logits, tokens, probs):
     """Draws draft token j and records it with q, the distribution it was drawn from. All rows
-    greedy: q is one-hot at the argmax and verification never reads it, so only the argmax is
-    computed (no [B, V] work)."""
+    greedy and no logit transform: q is one-hot at the argmax and verification never reads it, so
+    only the argmax is computed (no [B, V] work)."""
     # Column j is written with a select, not `.at[:, j].set`: with one row that update is a
     # contiguous slice, which XLA:GPU turns into an async memcpy on a second stream; that is no
     # command-buffer command, and it kept the whole speculative `while` host-driven.
     at_j = jnp.arange(k) == j
 
-    def sampled(key, probs):
-      key, sub = jax.random.split(key)
-      q = sampling.probabilities(draft.lift_logits(logits, vocab), params)
-      return key, sampling.draw(sub, jnp.log(q), params), jnp.where(at_j[:, None], q[:, None],
-                                                                    probs)
+    def transformed(probs):
+      earlier = jnp.where(jnp.arange(k)[None, :] < j, tokens, -1)
+      lifted = sampling.adjust_rows(draft.lift_logits(logits, vocab), params, result, stop_ids,
+                                    earlier)
+      q = sampling.probabilities(lifted, params)
+      keys = sampling.row_keys(params, result.num_tokens + j, sampling.SALT_DRAFT)
+      return sampling.draw(keys, jnp.log(q), params), jnp.where(at_j[:, None], q[:, None], probs)
 
-    def greedy(key, probs):
-      return key, draft.target_ids(jnp.argmax(logits, axis=-1)).astype(jnp.int32), probs
+    def greedy(probs):
+      return draft.target_ids(jnp.argmax(logits, axis=-1)).astype(jnp.int32), probs
 
-    key, tok, probs = jax.lax.cond(sampling.any_sampled(params), sampled, greedy, key, probs)
-    return key, tok, jnp.where(at_j, tok[:, None], tokens), probs
+    general = sampling.any_sampled(params) | sampling.needs_adjust(params)
+    tok, probs = jax.lax.cond(general, transformed, greedy, probs)
+    return tok, jnp.where(at_j, tok[:, None], tokens), probs
 
   def step(j, carry):
-    logits, hidden, dcache, key, tokens, probs = carry
-    key, tok, tokens, probs = sample(j, logits, key, tokens, probs)
+    logits, hidden, dcache, tokens, probs = carry
+    tok, tokens, probs = sample(j, logits, tokens, probs)
     out = draft(tok[:, None], hidden[:, None], embed, cache=dcache.with_lengths(committed + j))
-    return out.logits[:, 0], out.hidden[:, 0], out.cache, key, tokens, probs
+    return out.logits[:, 0], out.hidden[:, 0], out.cache, tokens, probs
 
   tokens = jnp.zeros((B, k), jnp.int32)
-  q_dtype = jax.eval_shape(lambda l: sampling.probabilities(draft.lift_logits(l, vocab), params),
-                           logits).dtype
-  probs = jnp.zeros((B, k, vocab), q_dtype)
-  logits, _, dcache, key, tokens, probs = jax.lax.fori_loop(
-      0, k - 1, step, (logits, hidden, dcache, key, tokens, probs))
+  probs = jnp.zeros((B, k, vocab), jnp.float32)
+  logits, _, dcache, tokens, probs = jax.lax.fori_loop(
+      0, k - 1, step, (logits, hidden, dcache, tokens, probs))
   # The last draft token needs no draft step after it.
-  _, _, tokens, probs = sample(k - 1, logits, key, tokens, probs)
+  _, tokens, probs = sample(k - 1, logits, tokens, probs)
   return Candidates(tokens, probs, chain_parents(k)), dcache
 
 
 def round_fns(target: Llama4, draft: Eagle3Draft, params: sampling.SamplingParams, stop_ids,
               max_tokens, pad_id: int, *, k: int | None, tree: TreeShape | None):
   """(propose, body) of a speculative round, shared by `_spec_generate` and the serving engine
-  (maverick/serving). body maps the carry (step, x0, L, result, cand, cache, dcache, stats, key)
-  to the next round's; rows stop on stop_ids [B, n] / max_tokens [B]. Done rows commit nothing."""
-  stop = lambda out, new, n: sampling.append(out, new, n, stop_ids, max_tokens, pad_id)
+  (maverick/serving). body maps the carry (step, x0, L, result, cand, cache, dcache, stats) to
+  the next round's; rows stop on stop_ids [B, n] / max_tokens [B]. Done rows commit nothing.
+  Every random draw comes from the rows' own streams (params.seed), keyed by token index."""
+  stop = lambda out, new, n, lp: sampling.append(out, new, n, stop_ids, max_tokens, pad_id, lp)
   aux = draft.config.aux_layer_ids
   V = target.config.vocab_size
   embed = target.embed[...]
   width = k if tree is None else tree.depth  # draft tokens on one accepted path
 
-  def propose(logits, hidden, dcache, committed, key):
+  def propose(logits, hidden, dcache, committed, result):
     if tree is None:
-      return draft_chain(draft, logits, hidden, dcache, committed, embed, params, key, k=k,
-                         vocab=V)
+      return draft_chain(draft, logits, hidden, dcache, committed, embed, params, result,
+                         stop_ids, k=k, vocab=V)
     return draft_tree(draft, logits, hidden, dcache, committed, embed, tree)
 
-  def verify(x0, cand, cache, L, key):
+  def verify(x0, cand, cache, L, result):
     """One target forward over [x0, candidates] -> (cache with the accepted path at L.., the
-    path's features [B, width+1, 3D], its draft tokens [B, width], accepted n, next token)."""
+    path's features [B, width+1, 3D], its draft tokens [B, width], accepted n, next token, the
+    target logits along the path [B, width+1, V])."""
     tokens = jnp.concatenate([x0[:, None], cand.tokens], axis=1)
     if tree is None:
       with jax.named_scope(SCOPES["verify"]):
         out = target(tokens, cache=cache.with_lengths(L), capture_layers=aux)
       with jax.named_scope(SCOPES["accept"]):
-        n, nxt = verify_chain(out.logits, cand, params, key)
-      return out.cache, _features(out.hidden), cand.tokens, n, nxt
+        n, nxt = verify_chain(out.logits, cand, params, result, stop_ids)
+      return out.cache, _features(out.hidden), cand.tokens, n, nxt, out.logits
     parents, depths, ancestors = verify_layout(cand, tree.depth)
     positions = L[:, None] + depths
     with jax.named_scope(SCOPES["verify"]):
       out = target(tokens, positions, cache.with_lengths(L), capture_layers=aux,
                    tree=TreeMask(start=L, positions=positions, visible=ancestors))
     with jax.named_scope(SCOPES["accept"]):
-      n, nxt, path = verify_tree(out.logits, tokens, parents, depths, params, key, tree.depth)
+      n, nxt, path = verify_tree(out.logits, tokens, parents, depths, ancestors, params, result,
+                                 stop_ids, tree.depth)
       return (commit_path(out.cache, L, path), gather_path(_features(out.hidden), path),
-              gather_path(tokens, path)[:, 1:], n, nxt)
+              gather_path(tokens, path)[:, 1:], n, nxt, gather_path(out.logits, path))
 
   def body(carry):
-    step, x0, L, result, cand, cache, dcache, stats, key = carry
+    step, x0, L, result, cand, cache, dcache, stats = carry
     B = x0.shape[0]
     with jax.named_scope(SCOPES["bookkeeping"]):
-      key, k_verify, k_draft = jax.random.split(key, 3)
       active = ~result.done
-    cache, features, path_tokens, n, nxt = verify(x0, cand, cache, L, k_verify)
+    cache, features, path_tokens, n, nxt, path_logits = verify(x0, cand, cache, L, result)
     with jax.named_scope(SCOPES["bookkeeping"]):
       emitted = jnp.concatenate([path_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
       emitted = jnp.where(jnp.arange(width + 1)[None, :] == n[:, None], nxt[:, None], emitted)
-      result = stop(result, emitted, n + 1)
+      # Each emitted token's logprobs under p at its position (drafts before it in the history).
+      logprobs = sampling.token_logprobs(path_logits, params, result, stop_ids, emitted,
+                                         chain_history(path_tokens))
+      result = stop(result, emitted, n + 1, logprobs)
       stats = SpecStats(
           stats.rounds + active, stats.accepted + jnp.where(active, n + 1, 0),
           stats.accepted_at + (active[:, None] & (jnp.arange(width)[None, :] < n[:, None])))
@@ -161,25 +170,23 @@ def round_fns(target: Llama4, draft: Eagle3Draft, params: sampling.SamplingParam
     with jax.named_scope(SCOPES["draft_extend"]):
       dout = draft(emitted, draft.fuse(features), embed, cache=dcache.with_lengths(L), logits_at=n)
     with jax.named_scope(SCOPES["draft"]):
-      cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L_new, k_draft)
-    return step + 1, x0, L_new, result, cand, cache, dcache, stats, key
+      cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L_new, result)
+    return step + 1, x0, L_new, result, cand, cache, dcache, stats
 
   return propose, body
 
 
 def spec_prefill(target: Llama4, draft: Eagle3Draft, propose, req: plain.Request, capacity: int,
-                 keys, result: sampling.Output, stop, width: int):
+                 result: sampling.Output, stop, width: int):
   """Target prefill, first token (appended to the empty `result`), draft prefill and the first
-  candidates; keys = (first token's, first draft's). Returns the round carry without step and key:
-  (x0, L, result, cand, cache, dcache, stats)."""
+  candidates. Returns the round carry without step: (x0, L, result, cand, cache, dcache, stats)."""
   aux = draft.config.aux_layer_ids
   B, Tp = req.prompt.shape
   params = req.sampling
   embed = target.embed[...]
   out, cache = plain.prefill(target, req, capacity, capture_layers=aux)
-  k_first, k_draft = keys
-  x0 = sampling.sample(out.logits, k_first, params)
-  result = stop(result, x0[:, None], jnp.ones((B,), jnp.int32))
+  x0, logprobs = sampling.sample(out.logits, params, result, req.stop_ids)
+  result = stop(result, x0[:, None], jnp.ones((B,), jnp.int32), logprobs)
   L = req.prompt_lengths
   # Draft position p pairs the target feature at p with the token at p+1.
   shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -187,7 +194,7 @@ def spec_prefill(target: Llama4, draft: Eagle3Draft, propose, req: plain.Request
   dcache = sharding.constrain_cache(draft.init_cache(B, capacity), sharding.plan_of(draft))
   dout = draft(shifted, draft.fuse(_features(out.hidden)), embed, cache=dcache, prefill=True,
                logits_at=L - 1)
-  cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L, k_draft)
+  cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L, result)
   stats = SpecStats(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
                     jnp.zeros((B, width), jnp.int32))
   return x0, L, result, cand, cache, dcache, stats
@@ -198,24 +205,24 @@ def _spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req: plain.Re
   target: Llama4 = nnx.merge(tgt_graphdef, tgt_state)
   draft: Eagle3Draft = nnx.merge(dr_graphdef, dr_state)
   B = req.prompt.shape[0]
-  key = jax.random.key(req.seed)
-  stop = lambda out, new, n: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens, pad_id)
+  stop = lambda out, new, n, lp: sampling.append(out, new, n, req.stop_ids, req.max_new_tokens,
+                                                 pad_id, lp)
   width = k if tree is None else tree.depth  # draft tokens on one accepted path
   propose, body = round_fns(target, draft, req.sampling, req.stop_ids, req.max_new_tokens, pad_id,
                             k=k, tree=tree)
-  key, k_first, k_draft = jax.random.split(key, 3)
   x0, L, result, cand, cache, dcache, stats = spec_prefill(
-      target, draft, propose, req, capacity, (k_first, k_draft),
-      sampling.init_output(B, steps, width + 1, pad_id), stop, width)
+      target, draft, propose, req, capacity,
+      plain.init_output(target.config, req, B, steps, width + 1, pad_id), stop, width)
 
   def cond(carry):
     step, result = carry[0], carry[3]
     return (step < steps) & ~jnp.all(result.done)
 
-  carry = (1, x0, L, result, cand, cache, dcache, stats, key)
+  carry = (1, x0, L, result, cand, cache, dcache, stats)
   carry = jax.lax.while_loop(cond, body, carry)
   result, stats = carry[3], carry[7]
-  return result.tokens[:, :steps], result.num_tokens, stats
+  return (result.tokens[:, :steps], result.num_tokens, stats,
+          plain.output_logprobs(result, steps))
 
 
 spec_generate_jit = jax.jit(
@@ -272,9 +279,9 @@ def check_chain_k(k) -> int:
 
 def program(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]], *,
             k: int = 3, tree: TreeShape | str | None = None, max_new_tokens=64,
-            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=0,
             stop_tokens=None, max_cache_len: int | None = None,
-            pad_id: int | None = None):
+            pad_id: int | None = None, **options):
   """(compiled program, its arguments, compile seconds) of one `generate` call with the same
   arguments: `generate` runs exactly `exe(*args)`, so benchmarks and profilers measure the same
   program (cache capacity rounded for the kernels included)."""
@@ -290,7 +297,8 @@ def program(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]]
   draft.config.check_target(target.config)
   req, steps, capacity = plain.prepare(
       target.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-      top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len)
+      top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len,
+      **options)
   capacity = kernels_lib.cache_capacity(capacity + slack, target, draft)
   req = sharding.place_request(req, sharding.plan_of(target))
   tgt_graphdef, tgt_state = nnx.split(target)
@@ -303,25 +311,28 @@ def program(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]]
 
 def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]], *,
              k: int = 3, tree: TreeShape | str | None = None, max_new_tokens=64,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=0,
              stop_tokens=None, max_cache_len: int | None = None,
-             pad_id: int | None = None) -> SpecGeneration:
+             pad_id: int | None = None, **options) -> SpecGeneration:
   """Speculative generation with an EAGLE-3 draft: same arguments and output as
   `maverick.generate`, plus acceptance statistics. Lossless: greedy output equals plain
   greedy output, and sampled output has the target's distribution.
 
   k: chain drafting, k draft tokens per round. tree: EAGLE-2 dynamic tree drafting instead
-  (`TreeShape(depth, topk, nodes)` or "DEPTHxTOPKxNODES"); k is then ignored."""
+  (`TreeShape(depth, topk, nodes)` or "DEPTHxTOPKxNODES"); k is then ignored. seed and options
+  (penalties, min_p, min_tokens, logit_bias) as in `maverick.generate`: applied to the target's p
+  and the draft's q alike, so sampling stays lossless."""
   exe, args, compile_s = program(
       target, draft, prompts, k=k, tree=tree, max_new_tokens=max_new_tokens,
       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
-      max_cache_len=max_cache_len, pad_id=pad_id)
+      max_cache_len=max_cache_len, pad_id=pad_id, **options)
   start = time.perf_counter()
-  tokens, num, stats = exe(*args)
+  tokens, num, stats, lp = exe(*args)
   tokens, num = sharding.to_host(tokens), sharding.to_host(num)
+  logprobs = plain.host_logprobs(lp, num, options.get("logprobs"))
   stats = jax.tree.map(sharding.to_host, stats)
   run_s = time.perf_counter() - start
   return SpecGeneration(
       tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)], num_tokens=num,
-      compile_seconds=compile_s, run_seconds=run_s, rounds=stats.rounds,
+      compile_seconds=compile_s, run_seconds=run_s, logprobs=logprobs, rounds=stats.rounds,
       accepted=stats.accepted, accepted_at=stats.accepted_at)

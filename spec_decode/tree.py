@@ -182,17 +182,29 @@ def verify_layout(cand: TreeCandidates, max_depth: int):
   return parents, depths, anc
 
 
-def verify_tree(logits_btv, tokens_bt, parents, depths, params, key, max_depth: int):
+def tree_history(tokens_bt, ancestors):
+  """[B, T] verify block, [B, T, T] ancestor-or-self mask -> [B, T, T]: at node t the draft
+  tokens on its path (root excluded: already committed), -1 elsewhere."""
+  on_path = ancestors & (jnp.arange(tokens_bt.shape[1]) > 0)[None, None, :]
+  return jnp.where(on_path, tokens_bt[:, None, :], -1)
+
+
+def verify_tree(logits_btv, tokens_bt, parents, depths, ancestors, params, result, stop_ids,
+                max_depth: int):
   """Walks the tree of the verify block. Returns (n [B] accepted draft tokens, next token [B],
   path [B, depth+1] verify-block indices of the root and the accepted nodes; entries past n are 0).
+  result: the committed history (penalties; its token count keys the random streams).
   When every row is greedy no [B, T, V] distribution is built.
   """
+  logits_btv = sampling.adjust(logits_btv, params, result, stop_ids,
+                               tree_history(tokens_bt, ancestors))
   walk = lambda fn: functools.partial(fn, max_depth=max_depth)
   return jax.lax.cond(sampling.any_sampled(params), walk(verify_tree_sampled),
-                      walk(verify_tree_greedy), logits_btv, tokens_bt, parents, depths, params, key)
+                      walk(verify_tree_greedy), logits_btv, tokens_bt, parents, depths, params,
+                      result.num_tokens)
 
 
-def verify_tree_greedy(logits_btv, tokens_bt, parents, depths, params, key, *, max_depth: int):
+def verify_tree_greedy(logits_btv, tokens_bt, parents, depths, params, index, *, max_depth: int):
   """The recursive rule for one-hot p: at each level take the child whose token is its parent's
   argmax (siblings are distinct tokens), then the argmax after the last accepted node."""
   B, T, _ = logits_btv.shape
@@ -211,13 +223,13 @@ def verify_tree_greedy(logits_btv, tokens_bt, parents, depths, params, key, *, m
   return n, jnp.take_along_axis(best, cur[:, None], axis=1)[:, 0], jnp.stack(path, 1)
 
 
-def verify_tree_sampled(logits_btv, tokens_bt, parents, depths, params, key, *, max_depth: int):
+def verify_tree_sampled(logits_btv, tokens_bt, parents, depths, params, index, *,
+                        max_depth: int):
   B, T, V = logits_btv.shape
   p = target_probabilities(logits_btv, params)  # [B, T, V]
   p_parent = jnp.take_along_axis(p, jnp.clip(parents, 0, T - 1)[:, :, None], axis=1)
   tok_p = jnp.take_along_axis(p_parent, tokens_bt[:, :, None], axis=2)[..., 0]  # [B, T]
-  k_accept, k_next = jax.random.split(key)
-  u = jax.random.uniform(k_accept, (B, T))
+  u = sampling.uniform(sampling.row_keys(params, index, sampling.SALT_ACCEPT), T)
   cur = jnp.zeros((B,), jnp.int32)
   alive = jnp.ones((B,), jnp.bool_)
   tried = jnp.zeros((B, T), jnp.bool_)
@@ -238,7 +250,8 @@ def verify_tree_sampled(logits_btv, tokens_bt, parents, depths, params, key, *, 
       tried.astype(p.dtype))
   residual = p_cur * (1.0 - removed)
   residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_cur)
-  nxt = sampling.draw(k_next, jnp.log(residual), params)
+  nxt = sampling.draw(sampling.row_keys(params, index, sampling.SALT_RESIDUAL), jnp.log(residual),
+                      params)
   return n, nxt, jnp.stack(path, 1)
 
 

@@ -5,7 +5,9 @@ the target vocabulary) and each candidate's parent, so a tree drafter can replac
 touching verification. The verifier implements the standard rejection rule: accept candidate x with
 probability min(1, p(x)/q(x)); on the first rejection sample from norm(max(0, p - q)); if all are
 accepted sample the bonus token from p. p and q are processed with the same temperature / top-k / top-p
-as plain generation (`maverick.sampling.probabilities`). Greedy rows have one-hot p and q, for which
+as plain generation (`maverick.sampling.probabilities`), after the same logit_bias, min_tokens and
+penalties (`maverick.sampling.adjust`), which at draft position j see the committed history plus the
+drafts before j. Greedy rows have one-hot p and q, for which
 the rule reduces exactly to "longest prefix equal to the target argmax, plus the target's next token".
 """
 
@@ -36,25 +38,34 @@ def _row_params(params: sampling.SamplingParams, reps: int) -> sampling.Sampling
 
 
 def target_probabilities(logits_btv: jax.Array, params: sampling.SamplingParams) -> jax.Array:
-  """p for every position [B, T, V] with per-row sampling parameters."""
+  """p for every position [B, T, V] of `adjust`ed logits with per-row sampling parameters."""
   B, T, V = logits_btv.shape
   p = sampling.probabilities(logits_btv.reshape(B * T, V), _row_params(params, T))
   return p.reshape(B, T, V)
 
 
+def chain_history(tokens: jax.Array) -> jax.Array:
+  """[B, K] drafts -> [B, K+1, K]: at verify position j the drafts before it (-1 elsewhere)."""
+  K = tokens.shape[1]
+  before = jnp.arange(K)[None, :] < jnp.arange(K + 1)[:, None]
+  return jnp.where(before[None], tokens[:, None, :], -1)
+
+
 def verify_chain(logits_btv: jax.Array, cand: Candidates, params: sampling.SamplingParams,
-                 key: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 result: sampling.Output, stop_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Target logits at [root, c_1..c_K] -> (accepted count n [B] in 0..K, next token [B]).
 
-  The next token is the correction sampled from the residual at position n when n < K, or the
-  bonus sampled from p_K when every candidate was accepted. When every row is greedy no [B, K, V]
-  distribution is built (a GPU launches each of those ops inside the loop).
+  result: the rows' committed history (penalty counts, and the token index that keys the rows'
+  random streams). The next token is the correction sampled from the residual at position n when
+  n < K, or the bonus sampled from p_K when every candidate was accepted. When every row is greedy
+  no [B, K, V] distribution is built (a GPU launches each of those ops inside the loop).
   """
+  logits_btv = sampling.adjust(logits_btv, params, result, stop_ids, chain_history(cand.tokens))
   return jax.lax.cond(sampling.any_sampled(params), verify_chain_sampled, verify_chain_greedy,
-                      logits_btv, cand, params, key)
+                      logits_btv, cand, params, result.num_tokens)
 
 
-def verify_chain_greedy(logits_btv, cand: Candidates, params, key):
+def verify_chain_greedy(logits_btv, cand: Candidates, params, index):
   """The rejection rule for one-hot p and q: the longest prefix equal to the target's argmax,
   then the target's argmax after it (the correction, or the bonus when all K match)."""
   K = cand.tokens.shape[1]
@@ -64,14 +75,13 @@ def verify_chain_greedy(logits_btv, cand: Candidates, params, key):
   return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
 
 
-def verify_chain_sampled(logits_btv, cand: Candidates, params, key):
+def verify_chain_sampled(logits_btv, cand: Candidates, params, index):
   B, K = cand.tokens.shape
   V = logits_btv.shape[-1]
   p = target_probabilities(logits_btv, params)  # [B, K+1, V]
   p_draft = jnp.take_along_axis(p[:, :K], cand.tokens[..., None], axis=-1)[..., 0]
   q_draft = jnp.take_along_axis(cand.probs, cand.tokens[..., None], axis=-1)[..., 0]
-  k_accept, k_next = jax.random.split(key)
-  u = jax.random.uniform(k_accept, (B, K))
+  u = sampling.uniform(sampling.row_keys(params, index, sampling.SALT_ACCEPT), K)
   accept = u * q_draft < p_draft  # u < p/q without dividing; q(x) > 0 since x was drawn from q
   n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
   p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
@@ -80,5 +90,6 @@ def verify_chain_sampled(logits_btv, cand: Candidates, params, key):
   residual = jnp.maximum(p_n - q_n, 0.0)
   # p == q leaves nothing to correct with (then rejection had probability 0): fall back to p.
   residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_n)
-  nxt = sampling.draw(k_next, jnp.log(residual), params)
+  nxt = sampling.draw(sampling.row_keys(params, index, sampling.SALT_RESIDUAL), jnp.log(residual),
+                      params)
   return n.astype(jnp.int32), nxt

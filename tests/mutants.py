@@ -26,6 +26,7 @@ GREEDY = ("greedy rules",)
 TEACHER = ("teacher chain b4", "teacher tree b4", "teacher chain b1", "teacher tree b1")
 CHI2_CHAIN = ("chi2 chain temp", "chi2 chain top_p")
 CHI2_TREE = ("chi2 tree temp", "chi2 tree top_p")
+PENALTIES = ("chi2 chain penalties", "chi2 tree penalties")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +134,9 @@ MUTANTS = [
            "shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)",
            "shifted = req.prompt", TEACHER),
     Mutant("stop token seen only at the end of a round", S, "round_fns",
-           "result = stop(result, emitted, n + 1)",
+           "result = stop(result, emitted, n + 1, logprobs)",
            "result = sampling.append(result, emitted, n + 1, jnp.where(jnp.any(nxt[:, None] == "
-           "stop_ids, axis=1, keepdims=True), stop_ids, -1), max_tokens, pad_id)",
+           "stop_ids, axis=1, keepdims=True), stop_ids, -1), max_tokens, pad_id, logprobs)",
            TEACHER),
     Mutant("finished rows still count rounds", S, "round_fns",
            "stats.rounds + active,", "stats.rounds + 1,", TEACHER[2:]),
@@ -147,6 +148,16 @@ MUTANTS = [
            "path.append(jnp.where(hit, cur, 0))", "path.append(cur)", CHI2_TREE),
     Mutant("tree residual keeps rejected siblings", T, "verify_tree_sampled",
            "tried = jnp.where((alive & ~hit)[:, None], children, tried)", "pass", CHI2_TREE),
+    Mutant("penalties at a chain position ignore the drafts before it", V, "chain_history",
+           "return jnp.where(before[None], tokens[:, None, :], -1)",
+           "return jnp.where(before[None] & False, tokens[:, None, :], -1)", PENALTIES),
+    Mutant("penalties at a tree node ignore its path", T, "tree_history",
+           "return jnp.where(on_path, tokens_bt[:, None, :], -1)",
+           "return jnp.where(on_path & False, tokens_bt[:, None, :], -1)", PENALTIES[::-1]),
+    Mutant("q recorded without the penalties it was drawn with", S, "draft_chain",
+           "return sampling.draw(keys, jnp.log(q), params), probs.at[:, j].set(q)",
+           "return sampling.draw(keys, jnp.log(q), params), probs.at[:, j].set("
+           "sampling.probabilities(draft.lift_logits(logits, vocab), params))", PENALTIES),
     Mutant("commit_path leaves the FP8 scales behind", T, "commit_path",
            "k_scale=move_all(cache.k_scale), v_scale=move_all(cache.v_scale)",
            "k_scale=cache.k_scale, v_scale=cache.v_scale", ("fp8 tree commit",)),

@@ -106,6 +106,12 @@ def teacher_greedy(mode: str, batch: int, case=None):
 # ---------------------------------------------------------------------------------------------
 SAMPLE_PROMPT, N_TOK, ROWS, CALLS = [3, 11, 7], 4, 4000, 2
 SAMPLING = {"temp": dict(temperature=1.0), "top_p": dict(temperature=1.0, top_p=0.8)}
+# Logit transforms that read the history (the drafts accepted before a position count too).
+ADJUSTED = {
+    "penalties": dict(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
+                      repetition_penalty=1.8, logit_bias={3: 1.5, 11: -2.0, 20: 1.0}),
+    "min_p_bias": dict(temperature=0.8, min_p=0.12, logit_bias={5: 2.5, 7: -1.0}),
+}
 CHI2_CHAIN_K, CHI2_TREE = 2, "2x3x6"  # N_TOK >= K + 2 / depth + 2: token 3 can be a bonus
 P_FAIL = 1e-3
 
@@ -141,6 +147,15 @@ class SamplingCase:
     self.chain_draft = _flat_subvocab_draft(self.tree_draft)
     self.exact = {name: so.exact_joint(self.target, SAMPLE_PROMPT, N_TOK, **filt)
                   for name, filt in SAMPLING.items()}
+    self._adjusted = {}
+
+  def exact_of(self, setting):
+    if setting in self.exact:
+      return self.exact[setting]
+    if setting not in self._adjusted:  # built on first use: the mutation runs never need them
+      self._adjusted[setting] = so.exact_joint(self.target, SAMPLE_PROMPT, N_TOK,
+                                               **ADJUSTED[setting])
+    return self._adjusted[setting]
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,11 +188,11 @@ def sampled_distribution(mode: str, setting: str):
   toks, last_level = [], []
   for seed in range(CALLS):
     out = spec.generate(target, draft, [SAMPLE_PROMPT] * ROWS, max_new_tokens=N_TOK,
-                        stop_tokens=[], seed=seed, **shape, **SAMPLING[setting])
+                        stop_tokens=[], seed=seed, **shape, **{**SAMPLING, **ADJUSTED}[setting])
     toks.append(np.asarray(out.tokens))
     last_level.append(out.acceptance_rates[-1])
   toks = np.concatenate(toks)
-  joint = c.exact[setting]
+  joint = c.exact_of(setting)
   V = SMALL.vocab_size
   axes = tuple(range(N_TOK))
   pvals = {}
@@ -244,7 +259,8 @@ def greedy_rules():
   rng = np.random.default_rng(11)
   B, K, V = 64, 4, 40
   greedy = sampling.SamplingParams.create(B)
-  key = jax.random.key(0)
+  history = sampling.empty_output(B, V)
+  no_stop = jnp.full((B, 1), -1, jnp.int32)
   logits = rng.standard_normal((B, K + 1, V)).astype(np.float32)
   best = logits.argmax(-1)
   wrong = (best + rng.integers(1, V, best.shape)) % V
@@ -253,8 +269,8 @@ def greedy_rules():
                                verify_lib.chain_parents(K))
   want = _np_greedy_chain(best, tokens)
   assert 0 < (want[0] == 0).sum() < B and (want[0] == K).any(), "the case must mix run lengths"
-  fast = verify_lib.verify_chain(jnp.asarray(logits), cand, greedy, key)
-  general = verify_lib.verify_chain_sampled(jnp.asarray(logits), cand, greedy, key)
+  fast = verify_lib.verify_chain(jnp.asarray(logits), cand, greedy, history, no_stop)
+  general = verify_lib.verify_chain_sampled(jnp.asarray(logits), cand, greedy, history.num_tokens)
   for name, got in (("fast", fast), ("general", general)):
     np.testing.assert_array_equal(np.asarray(got[0]), want[0], err_msg=f"chain n ({name})")
     np.testing.assert_array_equal(np.asarray(got[1]), want[1], err_msg=f"chain next ({name})")
@@ -281,8 +297,11 @@ def greedy_rules():
   want = _np_greedy_tree(best, tokens, parents, depths, max_depth)
   assert len(set(want[0].tolist())) > 2, "the case must mix path lengths"
   args = tuple(jnp.asarray(x) for x in (logits, tokens, parents, depths))
-  fast = tree_lib.verify_tree(*args, greedy, key, max_depth)
-  general = tree_lib.verify_tree_sampled(*args, greedy, key, max_depth=max_depth)
+  ancestors = tree_lib.verify_layout(
+      tree_lib.TreeCandidates(args[1][:, 1:], args[2][:, 1:] - 1, args[3][:, 1:], args[0][..., 0]),
+      max_depth)[2]
+  fast = tree_lib.verify_tree(*args, ancestors, greedy, history, no_stop, max_depth)
+  general = tree_lib.verify_tree_sampled(*args, greedy, history.num_tokens, max_depth=max_depth)
   for name, got in (("fast", fast), ("general", general)):
     for i, what in enumerate(("n", "next", "path")):
       np.testing.assert_array_equal(np.asarray(got[i]), want[i], err_msg=f"tree {what} ({name})")
@@ -298,6 +317,8 @@ CHECKS = {
     "fp8 tree commit": fp8_tree_commit,
     **{f"chi2 {mode} {setting}": functools.partial(sampled_distribution, mode, setting)
        for mode in ("chain", "tree") for setting in SAMPLING},
+    **{f"chi2 {mode} {setting}": functools.partial(sampled_distribution, mode, setting)
+       for mode in ("chain", "tree") for setting in ADJUSTED},
 }
 
 

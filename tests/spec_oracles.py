@@ -119,15 +119,47 @@ def filtered_probs(logits, temperature, top_k=0, top_p=1.0):
   return p
 
 
-def exact_joint(target, prompt, n_tokens, **filt):
-  """Exact distribution of the first n_tokens generated tokens: array [V] * n_tokens (n <= 3),
-  by enumerating every continuation through plain forwards of the target."""
+def adjusted_probs(logits, prompt, generated, temperature, top_k=0, top_p=1.0, min_p=0.0,
+                   presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                   logit_bias=None, min_tokens=0, stop=()):
+  """Row n [N, V]: the sampled distribution after prompt + generated[n] ([N, G] ids), by vLLM's
+  definitions: logit_bias added; stop ids masked while fewer than min_tokens were generated;
+  repetition penalty on prompt + generated tokens (positive logits divided, negative multiplied);
+  frequency (x count) and presence (x [count > 0]) penalties on generated tokens; then
+  temperature (0 = one-hot argmax), min_p (p < min_p * max p removed), top-k, top-p."""
+  z = np.array(logits, np.float64)
+  N, V = z.shape
+  for t, bias in (logit_bias or {}).items():
+    z[:, t] += bias
+  generated = np.asarray(generated, np.int64).reshape(N, -1)
+  if generated.shape[1] < min_tokens:
+    z[:, list(stop)] = -np.inf
+  counts = np.zeros((N, V))
+  for col in generated.T:
+    counts[np.arange(N), col] += 1
+  seen = counts > 0
+  seen[:, list(prompt)] = True
+  r = repetition_penalty
+  z = np.where(seen, np.where(z > 0, z / r, z * r), z)
+  z = z - frequency_penalty * counts - presence_penalty * (counts > 0)
+  if temperature == 0:
+    return np.eye(V)[z.argmax(-1)]
+  z = z / temperature
+  if min_p:
+    p = np.exp(z - z.max(-1, keepdims=True))
+    z = np.where(p < min_p * p.max(-1, keepdims=True), -np.inf, z)
+  return filtered_probs(z, 1.0, top_k, top_p)
+
+
+def exact_joint(target, prompt, n_tokens, **options):
+  """Exact distribution of the first n_tokens generated tokens: array [V] * n_tokens (n <= 4),
+  by enumerating every continuation through plain forwards of the target (`adjusted_probs`)."""
   V = target.config.vocab_size
   graphdef, state = nnx.split(target)
   seqs, probs = np.asarray([prompt]), np.ones(1)
   for _ in range(n_tokens):
     logits = np.asarray(model_lib.apply(graphdef, state, jnp.asarray(seqs)).logits[:, -1])
-    joint = probs[:, None] * filtered_probs(logits, **filt)
+    joint = probs[:, None] * adjusted_probs(logits, prompt, seqs[:, len(prompt):], **options)
     seqs = np.concatenate([np.repeat(seqs, V, 0), np.tile(np.arange(V), len(seqs))[:, None]], 1)
     probs = joint.reshape(-1)
   return probs.reshape((V,) * n_tokens)

@@ -114,7 +114,7 @@ def test_compiled_program_has_loop_and_no_host_communication(fixture_model):
 def test_no_device_to_host_transfer_inside_call(fixture_model):
   args, static = _device_call(fixture_model, [[5, 6, 7, 8]], max_new_tokens=8)
   with jax.transfer_guard_device_to_host("disallow"):
-    tokens, num = gen.generate_jit(*args, **static)
+    tokens, num, _ = gen.generate_jit(*args, **static)
     tokens.block_until_ready()
   assert int(num[0]) >= 1
 

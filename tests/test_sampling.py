@@ -44,7 +44,8 @@ def test_greedy_rows_ignore_the_key():
   logits = jnp.asarray(rng.normal(size=(3, 40)).astype(np.float32))
   params = sampling.SamplingParams.create(3, temperature=0.0, top_k=5, top_p=0.5)
   for seed in range(3):
-    toks = sampling.sample(logits, jax.random.key(seed), params)
+    params.seed = jnp.full((3,), seed, jnp.uint32)
+    toks, _ = sampling.sample(logits, params, sampling.empty_output(3, 40), jnp.full((3, 1), -1))
     np.testing.assert_array_equal(np.asarray(toks), np.argmax(np.asarray(logits), -1))
 
 
@@ -57,7 +58,7 @@ def test_sample_frequencies_match_distribution():
   n = 20000
   params = sampling.SamplingParams.create(n, temperature, top_k, top_p)
   draws = np.asarray(sampling.sample(jnp.broadcast_to(jnp.asarray(logits), (n, 12)),
-                                     jax.random.key(0), params))
+                                     params, sampling.empty_output(n, 12), jnp.full((n, 1), -1))[0])
   counts = np.bincount(draws, minlength=12)
   assert counts[want == 0].sum() == 0
   support = want > 0
@@ -98,7 +99,8 @@ def test_append_matches_python_reference():
   B, M, cap, pad = 5, 4, 12, -7
   stops = np.array([[3, -1], [3, 5], [-1, -1], [9, 3], [5, -1]], np.int32)
   max_tokens = np.array([12, 6, 3, 12, 9], np.int32)
-  out = sampling.init_output(B, cap, M, pad)
+  out = sampling.init_output(B, cap, M, pad, jnp.zeros((B, 1), jnp.int32),
+                             jnp.zeros((B,), jnp.int32), 10)
   ref = [([], 0, False) for _ in range(B)]
   for _ in range(6):
     new = rng.integers(0, 10, size=(B, M)).astype(np.int32)

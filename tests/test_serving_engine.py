@@ -31,7 +31,7 @@ def _record_order(engine):
       def step(*args, exe=exe):
         out = exe(*args)
         log.append(("dispatch", len([e for e in log if e[0] == "dispatch"]) + 1))
-        out[2]["_step"] = log[-1][1]  # rides along in the report
+        out[1]["_step"] = log[-1][1]  # rides along in the report
         return out
       engine._exes[key] = step
   process = engine._process
@@ -48,20 +48,23 @@ def loaded():
   return maverick.load("tiny")
 
 
-def _run(engine, prompts, max_tokens):
-  """Submits every prompt at once; returns each request's tokens (all events joined)."""
+def _run(engine, prompts, max_tokens, options=None, events=None):
+  """Submits every prompt at once; returns each request's tokens (all events joined).
+  options: per request, more submit arguments; events: a list that collects each one's events."""
   out = [[] for _ in prompts]
   done = [threading.Event() for _ in prompts]
 
   def callback(i):
     def on_event(event):
       out[i].extend(event.tokens)
+      if events is not None:
+        events[i].append(event)
       if event.done:
         done[i].set()
     return on_event
 
   for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-    engine.submit(p, callback(i), max_tokens=n)
+    engine.submit(p, callback(i), max_tokens=n, **(options[i] if options else {}))
   for i, d in enumerate(done):
     assert d.wait(WAIT_S), f"request {i} did not finish in {WAIT_S} s"
   assert engine.error is None, engine.error  # a failed engine ends every request with an error
@@ -79,12 +82,26 @@ def _run(engine, prompts, max_tokens):
      "32 tokens must hold the prompt and at least one new token: shorten the prompt to at most 31 "
      "tokens", "prompt"),
     (dict(prompt=[1] * 100), "the prompt has 100 tokens", "prompt"),
-    (dict(temperature=-0.5), "temperature", None),
-    (dict(top_p=1.5), "top_p", None),
+    (dict(temperature=-0.5), "temperature", "temperature"),
+    (dict(top_p=1.5), "top_p", "top_p"),
     (dict(seed=-1), "seed must be an integer", "seed"),
     (dict(stop_tokens=list(range(20))), "at most 8 stop token ids", None),
+    (dict(presence_penalty=3.0), "presence_penalty must be a number in [-2, 2]",
+     "presence_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty must be", "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be in (0, 10]", "repetition_penalty"),
+    (dict(min_p=1.5), "min_p must be in [0, 1]", "min_p"),
+    (dict(min_tokens=-1), "min_tokens must be an integer >= 0", "min_tokens"),
+    (dict(logit_bias={10**6: 1.0}), "logit_bias token id 1000000 is outside the vocabulary",
+     "logit_bias"),
+    (dict(logit_bias={"x": 1.0}), "logit_bias keys must be token ids", "logit_bias"),
+    (dict(logit_bias={5: 101.0}), "logit_bias values must be in [-100, 100]", "logit_bias"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias has 301 entries, at most 300",
+     "logit_bias"),
+    (dict(logit_bias=[1, 2]), "logit_bias must be a map of token id to bias", "logit_bias"),
 ], ids=["empty", "vocab", "max_tokens", "context", "prompt_at_context", "prompt_past_context",
-        "temperature", "top_p", "seed", "stops"])
+        "temperature", "top_p", "seed", "stops", "presence", "frequency", "repetition", "min_p",
+        "min_tokens", "bias_id", "bias_key", "bias_value", "bias_size", "bias_type"])
 def test_bad_requests_are_refused_before_they_touch_a_slot(loaded, kw, words, param):
   """Checked in submit, on the caller's thread: nothing is queued or compiled, no slot taken. The
   error names the field at fault (the server's "param")."""

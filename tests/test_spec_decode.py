@@ -1,11 +1,10 @@
 """EAGLE-3 speculative decoding: lossless greedy and sampling, on-device loop, bad input."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 from flax import nnx
 
 from maverick import config as config_lib
@@ -116,7 +115,9 @@ SMALL = config_lib.Config(
     num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
     attention_chunk_size=4, no_rope_layer_interval=4, floor_scale=2.0, attn_scale=0.5,
     rope_theta=10000.0, dtype="float32")
-CHI2_99 = {23: 41.64}  # 99th percentile of chi-squared with 23 degrees of freedom
+# Rejection level of the marginal tests, as tests/spec_checks.py's P_FAIL: at 1 % (the 99th
+# percentile) three positions x six settings fail a correct sampler for about one seed set in six.
+P_FAIL = 1e-3
 
 
 def _exact_marginals(target, prompt, temperature, top_k, n_tokens):
@@ -174,7 +175,7 @@ def sample_and_check_marginals(target, draft, temperature, top_k, **draft_shape)
     assert counts[t][~support].sum() == 0
     chi2 = ((counts[t][support] - n * want[t][support]) ** 2 / (n * want[t][support])).sum()
     dof = support.sum() - 1
-    limit = CHI2_99.get(dof, dof + 3 * math.sqrt(2 * dof))
+    limit = scipy_stats.chi2.isf(P_FAIL, dof)
     assert chi2 < limit, (t, chi2, dof)
   return outs
 
@@ -215,7 +216,7 @@ def test_compiled_loop_has_no_host_communication(fixture_model, random_draft):
 def test_no_device_to_host_transfer_inside_call(fixture_model, random_draft):
   args, static = _device_args(fixture_model, random_draft, [[4, 5, 6]], max_new_tokens=6)
   with jax.transfer_guard_device_to_host("disallow"):
-    tokens, num, stats = spec.spec_generate_jit(*args, **static)
+    tokens, num, stats, _ = spec.spec_generate_jit(*args, **static)
     tokens.block_until_ready()
   assert int(num[0]) == 6
 

@@ -32,3 +32,13 @@ def test_teacher_draft_tree_with_fp8_kv_cache():
 
 def test_greedy_fast_paths_equal_the_rejection_rule():
   sc.greedy_rules()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("setting", sorted(sc.ADJUSTED))
+def test_penalties_min_p_and_logit_bias_keep_the_exact_distribution(mode, setting):
+  """Presence/frequency/repetition penalties and logit_bias (which read the history, drafts
+  accepted earlier in the round included) and min_p under speculation: chi-squared of every token
+  and pair vs a float64 NumPy enumeration of the penalised target distribution."""
+  sc.sampled_distribution(mode, setting)

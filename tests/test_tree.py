@@ -220,7 +220,7 @@ def test_one_executable_and_no_host_communication(fixture_model, random_draft):
     assert f not in hlo, f
   _, ts, _, ds, req = args
   with jax.transfer_guard_device_to_host("disallow"):
-    tokens, num, stats = exe(ts, ds, req)
+    tokens, num, stats, _ = exe(ts, ds, req)
     tokens.block_until_ready()
   assert int(num[0]) == 6
 

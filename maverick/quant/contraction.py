@@ -65,6 +65,8 @@ def _xla_einsum(spec, x, w, scale, quant, out_dtype, input_scale):
   """`einsum`'s XLA path (`spec` already in the stored layout)."""
   static = scale is not None and quant is not None and quant.static_activations
   if scale is None:
+    if out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
+      return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     return jnp.einsum(spec, x, w)
   out_dtype = out_dtype or x.dtype
   xs, ws, out = _expand_ellipsis(spec, x.ndim)

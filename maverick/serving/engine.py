@@ -48,6 +48,7 @@ from maverick import sharding
 from spec_decode import speculative as spec
 
 DEFAULT_ROUNDS = 8
+LOGPROB_FIELDS = ("logprob", "top_ids", "top_logprobs")  # of sampling.Output, reported per step
 
 
 class RequestError(ValueError):
@@ -68,6 +69,12 @@ class Event:
   time: float = 0.0  # time.perf_counter() when the host read the step's results
   rounds: int = 0  # speculative: verify rounds so far
   accepted: int = 0  # speculative: tokens committed by those rounds
+  # With logprobs=N: per token of `tokens`, (its logprob, [(token id, logprob)] of the N most
+  # likely), under the distribution it was sampled from (see README, Sampling).
+  logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+  # With prompt_logprobs=True, on the first event: None for the first prompt token, then as
+  # `logprobs` for each prompt token after it (the model's raw distribution).
+  prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,7 +87,9 @@ class Handle:
   callback: Callable[[Event], None]
   params: sampling.SamplingParams
   stop_row: np.ndarray
-  seed: int
+  logprobs: int | None = None
+  prompt_logprobs: bool = False
+  prompt_result: list | None = None  # computed at admission, sent with the first event
   submitted: float = 0.0
   admitted: float | None = None
   num_tokens: int = 0
@@ -101,7 +110,8 @@ class Engine:
                max_seq_len: int = 512, rounds: int = DEFAULT_ROUNDS,
                stop_tokens: Sequence[int] | None = None, max_stop_ids: int = 8,
                pad_id: int | None = None, min_bucket: int = plain.MIN_BUCKET,
-               batch_buckets: Sequence[int] | None = None):
+               batch_buckets: Sequence[int] | None = None,
+               max_logit_bias: int = sampling.MAX_LOGIT_BIAS):
     cfg = model.config
     if slots < 1 or rounds < 1:
       raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
@@ -124,6 +134,7 @@ class Engine:
     self.pad_id = plain.resolve_pad_id(cfg, pad_id)
     self.default_stop = list(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
     self.max_stop_ids = max(max_stop_ids, len(self.default_stop))
+    self.max_logit_bias = max(1, int(max_logit_bias))  # logit_bias entries per request
     self.window = rounds * (self.width + 1) + 1  # tokens a slot can produce in one step (+ insert)
     self.buckets = []
     b = min_bucket
@@ -193,68 +204,62 @@ class Engine:
       rows = jax.tree_util.tree_map_with_path(pin, rows)
     return dict(rows, **caches)
 
-  def _pin_key(self, key):
-    if self.plan is None:
-      return key
-    return jax.lax.with_sharding_constraint(key, NamedSharding(self.plan.mesh, PartitionSpec()))
-
-  def _new_row(self, states, prompt, length, params, stop_ids, max_tokens, seed):
-    """One request's row (batch 1): prefill, first token, (draft prefill and candidates)."""
+  def _new_row(self, states, prompt, length, params, stop_ids, max_tokens):
+    """One request's row (batch 1): prefill, first token, (draft prefill and candidates). The
+    row's random stream is its own (params.seed): no key is shared between slots."""
     target, draft = self._models(states)
     req = plain.Request(prompt=prompt, prompt_lengths=length, max_new_tokens=max_tokens,
-                        stop_ids=stop_ids, seed=seed, sampling=params)
+                        stop_ids=stop_ids, sampling=params)
     cols = self.max_seq_len + self.window
-    result = sampling.init_output(1, cols - (self.width + 1), self.width + 1, self.pad_id)
-    stop = lambda out, new, n: sampling.append(out, new, n, stop_ids, max_tokens, self.pad_id)
-    key = jax.random.key(seed)
+    result = plain.init_output(self.config, req, 1, cols - (self.width + 1), self.width + 1,
+                               self.pad_id)
+    stop = lambda out, new, n, lp: sampling.append(out, new, n, stop_ids, max_tokens,
+                                                   self.pad_id, lp)
     row = dict(params=params, stop_ids=stop_ids, max_tokens=max_tokens,
                emitted=jnp.zeros((1,), jnp.int32))
     if draft is None:
       out, cache = plain.prefill(target, req, self.capacity)
-      _, sub = jax.random.split(key)  # as maverick.generate draws the first token
-      token = sampling.sample(out.logits, sub, params)
-      result = stop(result, token[:, None], jnp.ones((1,), jnp.int32))
+      token, logprobs = sampling.sample(out.logits, params, result, stop_ids)
+      result = stop(result, token[:, None], jnp.ones((1,), jnp.int32), logprobs)
       return dict(row, token=token, cache=cache, result=result)
     propose, _ = spec.round_fns(target, draft, params, stop_ids, max_tokens, self.pad_id,
                                 k=self.k, tree=self.tree)
-    _, k_first, k_draft = jax.random.split(key, 3)  # as spec_decode.generate
     x0, L, result, cand, cache, dcache, stats = spec.spec_prefill(
-        target, draft, propose, req, self.capacity, (k_first, k_draft), result, stop, self.width)
+        target, draft, propose, req, self.capacity, result, stop, self.width)
     return dict(row, x0=x0, L=L, result=result, cand=cand, cache=cache, dcache=dcache,
                 stats=stats)
 
   def _init(self, states):
     """All-free slots: every row done, lengths 0."""
     B = self.slots
-    params = sampling.SamplingParams(jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.int32),
-                                     jnp.ones((1,), jnp.float32))
+    params = sampling.default_params(1, self.max_logit_bias)
     row = jax.eval_shape(
         self._new_row, states, jnp.zeros((1, self.buckets[0]), jnp.int32),
         jnp.ones((1,), jnp.int32), params, jnp.zeros((1, self.max_stop_ids), jnp.int32),
-        jnp.ones((1,), jnp.int32), jnp.zeros((), jnp.uint32))
+        jnp.ones((1,), jnp.int32))
     rows = self._map_rows(lambda s: jnp.zeros((B,) + s.shape[1:], s.dtype), row)
     rows = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct)
                         else x, rows)
     rows["result"] = dataclasses.replace(rows["result"], done=jnp.ones((B,), bool))
     rows["stop_ids"] = jnp.full_like(rows["stop_ids"], plain.NO_STOP)
-    rows["params"] = dataclasses.replace(rows["params"], top_p=jnp.ones((B,), jnp.float32))
-    return self._constrain(rows), self._pin_key(jax.random.key(0))
+    rows["params"] = sampling.default_params(B, self.max_logit_bias)
+    return self._constrain(rows)
 
-  def _insert(self, states, rows, key, slot, prompt, length, params, stop_ids, max_tokens, seed):
-    new = self._new_row(states, prompt, length, params, stop_ids, max_tokens, seed)
+  def _insert(self, states, rows, slot, prompt, length, params, stop_ids, max_tokens):
+    new = self._new_row(states, prompt, length, params, stop_ids, max_tokens)
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype),
                                                                  slot, axis=0)
-    return self._constrain(self._map_rows(put, rows, new)), self._pin_key(key)
+    return self._constrain(self._map_rows(put, rows, new))
 
-  def _step(self, states, all_rows, key, release, *, n: int):
+  def _step(self, states, all_rows, release, *, n: int):
     """Runs the first n slots (a batch bucket); the others are left as they are."""
     target, draft = self._models(states)
     rows = self._constrain(self._map_rows(lambda x: x[:n], all_rows))
     result = rows["result"]
     result = dataclasses.replace(result, done=result.done | release[:n])
     done0 = result.done
-    stop = lambda out, new, n: sampling.append(out, new, n, rows["stop_ids"], rows["max_tokens"],
-                                               self.pad_id)
+    stop = lambda out, new, n, lp: sampling.append(out, new, n, rows["stop_ids"],
+                                                   rows["max_tokens"], self.pad_id, lp)
 
     def cond(carry):
       step, result = carry[0], carry[3]
@@ -262,52 +267,54 @@ class Engine:
 
     if draft is None:
       def body(carry):
-        step, token, cache, result, key = carry
-        token, cache, result, key = plain.decode_round(target, token, cache, result, key,
-                                                       rows["params"], stop)
-        return step + 1, token, cache, result, key
-      carry = (0, rows["token"], rows["cache"], result, key)
-      _, token, cache, result, key = jax.lax.while_loop(cond, body, carry)
+        step, token, cache, result = carry
+        token, cache, result = plain.decode_round(target, token, cache, result, rows["params"],
+                                                  rows["stop_ids"], stop)
+        return step + 1, token, cache, result
+      carry = (0, rows["token"], rows["cache"], result)
+      _, token, cache, result = jax.lax.while_loop(cond, body, carry)
       rows = dict(rows, token=token, cache=cache, result=result)
     else:
       _, body = spec.round_fns(target, draft, rows["params"], rows["stop_ids"], rows["max_tokens"],
                                self.pad_id, k=self.k, tree=self.tree)
       carry = (0, rows["x0"], rows["L"], result, rows["cand"], rows["cache"], rows["dcache"],
-               rows["stats"], key)
-      _, x0, L, result, cand, cache, dcache, stats, key = jax.lax.while_loop(cond, body, carry)
+               rows["stats"])
+      _, x0, L, result, cand, cache, dcache, stats = jax.lax.while_loop(cond, body, carry)
       rows = dict(rows, x0=x0, L=L, result=result, cand=cand, cache=cache, dcache=dcache,
                   stats=stats)
     take = lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, self.window)
     window = jax.vmap(take)(result.tokens, rows["emitted"])
     num_new = result.num_tokens - rows["emitted"]
+    report = dict(window=window, num_new=num_new, done=result.done,
+                  **{name: jax.vmap(take)(getattr(result, name), rows["emitted"])
+                     for name in LOGPROB_FIELDS})
     rows["emitted"] = result.num_tokens
-    report = dict(window=window, num_new=num_new, done=result.done)
     if draft is not None:
       report.update(rounds=rows["stats"].rounds, accepted=rows["stats"].accepted)
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, 0, axis=0)
-    return self._constrain(self._map_rows(put, all_rows, rows)), self._pin_key(key), report
+    return self._constrain(self._map_rows(put, all_rows, rows)), report
 
   def compile(self, progress: Callable[[str], None] | None = None) -> float:
     """Compiles the step and every prompt bucket's insert; returns the seconds it took."""
     start = time.perf_counter()
     note = progress or (lambda what: None)
     note("init")
-    self._slots_state = jax.jit(self._init)(self._states)
-    rows, key = self._slots_state
+    self._slots_state = rows = jax.jit(self._init)(self._states)
     release = jax.device_put(np.zeros((self.slots,), bool))
     for n in self.batch_buckets:
       note(f"step batch {n}")
       self._exes["step", n] = jax.jit(functools.partial(self._step, n=n),
                                       donate_argnums=(1,)).lower(
-          self._states, rows, key, release).compile()
+          self._states, rows, release).compile()
     insert = jax.jit(self._insert, donate_argnums=(1,))
     for b in self.buckets:
       note(f"prefill bucket {b}")
-      args = self._host_args(0, [0] * b, sampling.SamplingParams.create(1), self.default_stop, 1, 0)
-      self._exes[b] = insert.lower(self._states, rows, key, *args).compile()
+      params = sampling.SamplingParams.create(1, bias_width=self.max_logit_bias)
+      args = self._host_args(0, [0] * b, params, self.default_stop, 1)
+      self._exes[b] = insert.lower(self._states, rows, *args).compile()
     return time.perf_counter() - start
 
-  def _host_args(self, slot, prompt, params, stop_ids, max_tokens, seed):
+  def _host_args(self, slot, prompt, params, stop_ids, max_tokens):
     b = self.bucket(len(prompt))
     padded = np.zeros((1, b), np.int32)
     padded[0, :len(prompt)] = prompt
@@ -315,7 +322,7 @@ class Engine:
     stop[0, :len(stop_ids)] = stop_ids
     put = jax.device_put
     return (put(np.int32(slot)), put(padded), put(np.array([len(prompt)], np.int32)), params,
-            put(stop), put(np.array([max_tokens], np.int32)), put(np.uint32(seed)))
+            put(stop), put(np.array([max_tokens], np.int32)))
 
   def bucket(self, n: int) -> int:
     return next(b for b in self.buckets if b >= n)
@@ -329,9 +336,16 @@ class Engine:
   # ---------------------------------------------------------------------------------------------
   def submit(self, prompt: Sequence[int], callback: Callable[[Event], None], *,
              max_tokens: int = 16, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             seed: int = 0, stop_tokens: Sequence[int] | None = None) -> Handle:
+             seed: int = 0, stop_tokens: Sequence[int] | None = None,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
+             logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
+             prompt_logprobs: bool = False) -> Handle:
     """Validates and queues a request (a RequestError, before it touches a slot, when it cannot
-    run)."""
+    run). The sampling options are those of `maverick.sampling.SamplingParams.create`; the
+    request's random stream depends only on `seed`, so a seeded request samples the same tokens
+    whatever else runs beside it. logprobs=N (0..20) adds each token's logprob and the N most
+    likely alternatives to the events; prompt_logprobs=True adds the prompt's to the first."""
     self._raise_if_failed()
     cfg = self.config
     prompt = [int(t) for t in prompt]
@@ -355,17 +369,34 @@ class Engine:
                          f"{n + max_tokens} tokens does not fit this server's context of "
                          f"{context} tokens; lower max_tokens to at most {context - n} or shorten "
                          f"the prompt", "max_tokens", "context_length_exceeded")
-    if not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**32):
+    if isinstance(seed, bool) or not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**32):
       raise RequestError(f"seed must be an integer in [0, 2**32), got {seed!r}", "seed")
     stop_ids = self.default_stop if stop_tokens is None else list(stop_tokens)
     stop_row = plain._stop_matrix(cfg, 1, stop_ids)[0]
     if len(stop_ids) > self.max_stop_ids:
       raise RequestError(f"at most {self.max_stop_ids} stop token ids per request, got "
                          f"{len(stop_ids)}")
-    params = sampling.SamplingParams.create(1, temperature, top_k, top_p)  # validates
+    if not isinstance(prompt_logprobs, bool):
+      raise RequestError(f"prompt_logprobs must be true or false, got {prompt_logprobs!r}",
+                         "prompt_logprobs")
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                   repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                   logit_bias=logit_bias, logprobs=logprobs)
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+      raise RequestError(f"logit_bias must be a map of token id to bias, got {logit_bias!r}",
+                         "logit_bias")
+    try:
+      params = sampling.SamplingParams.create(1, seed=[int(seed)], vocab_size=cfg.vocab_size,
+                                              bias_width=self.max_logit_bias, **options)
+    except ValueError as e:  # the message names the parameter first
+      raise RequestError(str(e), next((k for k in options if str(e).startswith(k)), None)) \
+          from None
     h = Handle(id=next(self._ids), prompt=prompt, max_tokens=int(max_tokens),
                stop_ids=frozenset(int(t) for t in stop_row if t != plain.NO_STOP),
-               callback=callback, params=params, stop_row=stop_row, seed=int(seed),
+               callback=callback, params=params, stop_row=stop_row,
+               logprobs=None if logprobs is None else int(logprobs),
+               prompt_logprobs=bool(prompt_logprobs),
                submitted=time.perf_counter())
     with self._failure:  # not queued after the engine failed: it would wait forever
       self._raise_if_failed()
@@ -431,11 +462,10 @@ class Engine:
         # Released slots are in the step too, so their rows get marked done.
         busy = 1 + max(b for b in range(self.slots) if self._owner[b] is not None or release[b])
         n = self.batch_bucket(busy)
-        rows, key = self._slots_state
-        rows, key, report = self._exes["step", n](self._states, rows, key,
-                                                  jax.device_put(release))
+        rows, report = self._exes["step", n](self._states, self._slots_state,
+                                             jax.device_put(release))
         release = np.zeros((self.slots,), bool)
-        self._slots_state = rows, key
+        self._slots_state = rows
         self.steps += 1
         self.steps_by_batch[n] += 1
         current = (report, list(self._owner[:n]))
@@ -460,15 +490,19 @@ class Engine:
         h = None
       if h is None:
         return
-      rows, key = self._slots_state
+      if h.prompt_logprobs:  # a forward of its own: the insert program keeps one shape
+        h.prompt_result = plain.prompt_logprobs(self.model, h.prompt, h.logprobs or 0)
       exe = self._exes[self.bucket(len(h.prompt))]
-      args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens, h.seed)
-      self._slots_state = exe(self._states, rows, key, *args)
+      args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens)
+      self._slots_state = exe(self._states, self._slots_state, *args)
       self._owner[b], release[b] = h, False
       h.admitted = time.perf_counter()
 
   def _process(self, report, owners) -> None:
-    report = jax.tree.map(sharding.to_host, report)
+    # The logprob windows come to the host only when a request in the step asked for them.
+    wanted = any(h is not None and h.logprobs is not None for h in owners)
+    report = {name: sharding.to_host(v) for name, v in report.items()
+              if wanted or name not in LOGPROB_FIELDS}
     now = time.perf_counter()
     for b, h in enumerate(owners):
       if h is None or h.finished or h.cancelled:
@@ -488,6 +522,10 @@ class Engine:
         if self._owner[b] is h:
           self._owner[b] = None
       if n or done:
+        logprobs = None if h.logprobs is None else sampling.logprob_lists(
+            *(report[name][b] for name in LOGPROB_FIELDS), n, h.logprobs)
         h.callback(Event(tokens, done, reason, now,
                          int(report["rounds"][b]) if "rounds" in report else 0,
-                         int(report["accepted"][b]) if "accepted" in report else 0))
+                         int(report["accepted"][b]) if "accepted" in report else 0, logprobs,
+                         h.prompt_result))
+        h.prompt_result = None  # the first event carries them
