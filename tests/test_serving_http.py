@@ -371,10 +371,9 @@ return_tokens_as_token_ids cache_salt kv_transfer_params vllm_xargs""".split()
 
 # Refused: a value that would change the output (their neutral values are taken, see below).
 REFUSED = {
-    "prompt_embeds": "AAAA", "best_of": 3, "echo": True, "frequency_penalty": 0.5,
-    "logit_bias": {"11": 5}, "logprobs": 2, "top_logprobs": 2, "presence_penalty": 0.5,
-    "suffix": "tail", "use_beam_search": True, "min_p": 0.1, "repetition_penalty": 1.2,
-    "length_penalty": 0.5, "min_tokens": 2, "spaces_between_special_tokens": False,
+    "prompt_embeds": "AAAA", "best_of": 3, "echo": True, "logprobs": 2, "top_logprobs": 2,
+    "suffix": "tail", "use_beam_search": True,
+    "length_penalty": 0.5, "spaces_between_special_tokens": False,
     "allowed_token_ids": [1, 2], "prompt_logprobs": 1, "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
     "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "guided_decoding_backend": "xgrammar",
@@ -454,6 +453,14 @@ def _honoured_checks(app, chat):
       "truncate_prompt_tokens": lambda: engine_got("prompt", base_ids[-2:],
                                                    truncate_prompt_tokens=2),
       "cache_salt": lambda: run(cache_salt="s"),  # no prefix cache: nothing to salt
+      # Sampling options: passed to the engine, which applies them on the device
+      # (tests/test_sampling_options.py checks what they do).
+      "presence_penalty": lambda: engine_got("presence_penalty", 0.5, presence_penalty=0.5),
+      "frequency_penalty": lambda: engine_got("frequency_penalty", -0.5, frequency_penalty=-0.5),
+      "repetition_penalty": lambda: engine_got("repetition_penalty", 1.2, repetition_penalty=1.2),
+      "min_p": lambda: engine_got("min_p", 0.1, min_p=0.1),
+      "min_tokens": lambda: engine_got("min_tokens", 2, min_tokens=2),
+      "logit_bias": lambda: engine_got("logit_bias", {11: 5.0}, logit_bias={"11": 5}),
   }
   if chat:
     no_gen = tok.apply_chat_template(base["messages"], add_generation_prompt=False)

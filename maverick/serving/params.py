@@ -22,11 +22,9 @@ class ApiError(Exception):
     self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
 
-# Parsed and checked here; refused unless neutral until the engine helper's parameters are wired
-# (then: drop a name from this set and pass Options.engine_kwargs to Engine.submit).
-PENDING_ENGINE = frozenset({
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-    "logit_bias", "logprobs", "top_logprobs", "echo", "prompt_logprobs"})
+# Parsed and checked here; refused unless neutral until the server formats logprobs (the engine
+# computes them: Event.logprobs / prompt_logprobs).
+PENDING_ENGINE = frozenset({"logprobs", "top_logprobs", "echo", "prompt_logprobs"})
 
 # Taken only at a value that changes nothing (JSON null always is); why, for the README and errors.
 NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
@@ -65,7 +63,8 @@ CHAT_ONLY_NEUTRAL = {"add_special_tokens": ((False,), "the chat template adds th
 COMMON = {"model", "max_tokens", "n", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
           "stream", "stream_options", "temperature", "top_p", "top_k", "ignore_eos", "user",
           "request_id", "skip_special_tokens", "truncate_prompt_tokens", "cache_salt",
-          "return_token_ids"}
+          "return_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "min_p", "min_tokens", "logit_bias"}
 COMPLETION_ONLY = {"prompt", "add_special_tokens"}
 CHAT_ONLY = {"messages", "max_completion_tokens", "add_generation_prompt",
              "continue_final_message", "include_reasoning", "parallel_tool_calls"}

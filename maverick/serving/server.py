@@ -346,7 +346,7 @@ def create_app(server: Server) -> FastAPI:
           handle = engine.submit(
               ids, lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
               max_tokens=max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
-              seed=seed, stop_tokens=stop_tokens)
+              seed=seed, stop_tokens=stop_tokens, **o.engine_kwargs)
           server.open_handles[id(handle)] = handle
           detok = Detokenizer(server.tokenizer, handle.stop_ids, o.stops, o.include_stop,
                               o.skip_special)
