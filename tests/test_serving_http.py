@@ -32,11 +32,24 @@ STEP = 3  # tokens per stub event (the engine's steps return several tokens too)
 WAIT_S = 10
 
 
+def stub_logprob(t):
+  """The stub's logprob of token t, and its alternatives': simple formulas the tests share."""
+  return -0.5 - (t % 11) / 4
+
+
+def stub_entry(t, top):
+  """(logprob of t, its top alternatives): ids t+1, t+2, ... at -0.125, -0.25, then -inf (an
+  alternative the filters removed)."""
+  alts = [(t + 1 + j, -0.125 * (j + 1) if j < 2 else float("-inf")) for j in range(top)]
+  return stub_logprob(t), alts
+
+
 class StubEngine:
   """What the app uses of an Engine. A request's output is its prompt's tokens (repeated), in
   events of STEP tokens, up to max_tokens or a stop id (included, as the engine does). One with
   max_tokens >= HANG runs until cancelled (`submitted`, then `cancelled` is set). `calls` keeps
-  every submit's prompt and keywords."""
+  every submit's prompt and keywords. With logprobs=N each token has stub_entry(t, N); with
+  prompt_logprobs the first event has [None] + those of the prompt's other tokens."""
 
   max_seq_len = CONTEXT
   error = None
@@ -61,10 +74,16 @@ class StubEngine:
       return handle
     out = [prompt[i % len(prompt)] for i in range(max_tokens)]
     end = next((i + 1 for i, t in enumerate(out) if t in stops), len(out))
+    top = kw.get("logprobs")
+    entries = lambda toks: None if top is None else [stub_entry(t, top) for t in toks]
+    first = [None] + [stub_entry(t, top or 0) for t in prompt[1:]] \
+        if kw.get("prompt_logprobs") else None
     for i in range(0, end, STEP):
       done = i + STEP >= end
       reason = ("stop" if out[end - 1] in stops else "length") if done else None
-      callback(Event(out[i:min(i + STEP, end)], done, reason))
+      toks = out[i:min(i + STEP, end)]
+      callback(Event(toks, done, reason, logprobs=entries(toks),
+                     prompt_logprobs=first if i == 0 else None))
     return handle
 
   def cancel(self, handle):
@@ -347,6 +366,162 @@ def test_a_lone_surrogate_is_a_400_and_the_connection_lives_on(app_server, path,
 
 
 # ------------------------------------------------------------------------------------------------
+# Logprobs. The stub's values come from stub_entry (a formula of the token id); token texts from
+# the tokenizer, so every expected value below is built without the server's formatting code.
+# ------------------------------------------------------------------------------------------------
+FLOOR = -9999.0  # JSON has no -inf: vLLM's value for a filtered-out alternative
+
+
+def _tstr(tok, t):
+  return tok.decode([t], skip_special_tokens=False)
+
+
+def _want_completion(tok, ids, top, prompt_len=0):
+  """The completions logprobs object of ids (the first prompt_len of them echoed prompt tokens,
+  the first of which has no logprob)."""
+  out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+  offset = 0
+  for n, t in enumerate(ids):
+    out["tokens"].append(_tstr(tok, t))
+    out["text_offset"].append(offset)
+    offset += len(_tstr(tok, t))
+    if n == 0 and prompt_len:
+      out["token_logprobs"].append(None)
+      out["top_logprobs"].append(None)
+      continue
+    out["token_logprobs"].append(stub_logprob(t))
+    alts = {_tstr(tok, t + 1 + j): [-0.125, -0.25][j] if j < 2 else FLOOR for j in range(top)}
+    out["top_logprobs"].append(dict(alts, **{_tstr(tok, t): stub_logprob(t)}))
+  return out
+
+
+def _joined_logprobs(chunks):
+  """Per choice index: the completions logprobs of every chunk, concatenated."""
+  out = {}
+  for chunk in chunks:
+    for c in chunk["choices"]:
+      if c["logprobs"] is not None:
+        got = out.setdefault(c["index"], {k: [] for k in c["logprobs"]})
+        for k, v in c["logprobs"].items():
+          got[k] += v
+  return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_logprobs_end_at_the_stop_string(app_server, stream):
+  """Top 3 (the third is -inf: written as -9999.0); only the returned tokens have logprobs, so the
+  tokens past the stop string in the same engine event have none."""
+  tok = app_server.tok.tok
+  ids = tok.encode(CODE)
+  k = _prefix_with(tok, ids, "return")
+  body = {"prompt": CODE, "max_tokens": len(ids), "stop": "return", "logprobs": 3,
+          "return_token_ids": True}
+  if stream:
+    chunks = _stream(app_server, body)
+    got = _joined_logprobs(chunks)[0]
+    assert all(c["choices"][0]["logprobs"] is None or c["choices"][0]["token_ids"]
+               for c in chunks)  # each chunk's logprobs are those of its tokens
+    assert _joined(chunks)[0][1] == ids[:k]
+  else:
+    c = _post(app_server, body).json()["choices"][0]
+    got = c["logprobs"]
+    assert c["token_ids"] == ids[:k]
+  assert app_server.engine.calls[-1]["logprobs"] == 3
+  assert got == _want_completion(tok, ids[:k], 3)
+  assert len(got["tokens"]) == k and FLOOR in got["top_logprobs"][0].values()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_logprobs_with_n(app_server, stream):
+  tok = app_server.tok.tok
+  msgs = [{"role": "user", "content": "hi there"}]
+  prompt = tok.apply_chat_template(msgs)
+  body = {"messages": msgs, "n": 2, "max_tokens": 5, "logprobs": True, "top_logprobs": 2,
+          "return_token_ids": True}
+  path = "/v1/chat/completions"
+  if stream:
+    got = {}
+    for chunk in _stream(app_server, body, path):
+      c = chunk["choices"][0]
+      if c["logprobs"] is not None:
+        assert len(c["logprobs"]["content"]) == len(c["token_ids"]) > 0
+        got.setdefault(c["index"], []).extend(c["logprobs"]["content"])
+  else:
+    got = {c["index"]: c["logprobs"]["content"]
+           for c in _post(app_server, body, path).json()["choices"]}
+  item = lambda t, lp: {"token": _tstr(tok, t), "logprob": lp,
+                        "bytes": list(_tstr(tok, t).encode("utf-8", "replace"))}
+  want = [dict(item(t, stub_logprob(t)), top_logprobs=[item(t + 1, -0.125), item(t + 2, -0.25)])
+          for t in (prompt * 5)[:5]]
+  assert got == {0: want, 1: want}
+
+
+def test_chat_without_logprobs_has_null_logprobs(app_server):
+  c = _post(app_server, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "/v1/chat/completions").json()["choices"][0]
+  assert c["logprobs"] is None and app_server.engine.calls[-1]["logprobs"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_echo_puts_the_prompt_and_its_logprobs_first(app_server, stream):
+  tok = app_server.tok.tok
+  prompt = "x = 1\ny = 2\n"
+  ids = tok.encode(prompt)
+  body = {"prompt": prompt, "max_tokens": 4, "echo": True, "logprobs": 1, "n": 2}
+  if stream:
+    chunks = _stream(app_server, body)
+    got = {i: (text, lp) for (i, (text, _, _)), lp in zip(sorted(_joined(chunks).items()),
+                                                           _joined_logprobs(chunks).values())}
+  else:
+    got = {c["index"]: (c["text"], c["logprobs"]) for c in _post(app_server, body).json()["choices"]}
+  assert app_server.engine.calls[-1]["prompt_logprobs"] is True
+  assert tok.decode(ids) == prompt  # the echoed text: the prompt, BOS not shown
+  want = (prompt + tok.decode(ids[:4]), _want_completion(tok, ids + ids[:4], 1, len(ids)))
+  assert got == {0: want, 1: want}
+
+
+def test_echo_without_logprobs_is_the_text_only(app_server):
+  tok = app_server.tok.tok
+  c = _post(app_server, {"prompt": "a = 3", "max_tokens": 3, "echo": True}).json()["choices"][0]
+  assert c["text"] == "a = 3" + tok.decode(tok.encode("a = 3")[:3]) and c["logprobs"] is None
+  assert app_server.engine.calls[-1]["prompt_logprobs"] is False
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_prompt_logprobs_vllms_shape(app_server, chat):
+  """vLLM's extension: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}
+  of the N best and the token itself (rank null: outside the N best); completions per choice,
+  chat on the response. The engine's one top-N is the larger of logprobs and prompt_logprobs."""
+  tok = app_server.tok.tok
+  msgs = [{"role": "user", "content": "x = 1"}]
+  ids = tok.apply_chat_template(msgs) if chat else tok.encode("x = 1")
+  body = dict({"messages": msgs} if chat else {"prompt": "x = 1"}, max_tokens=2, prompt_logprobs=2)
+  answer = _post(app_server, body, "/v1/chat/completions" if chat else "/v1/completions").json()
+  got = answer["prompt_logprobs"] if chat else answer["choices"][0]["prompt_logprobs"]
+  entry = lambda t, lp, rank: {"logprob": lp, "rank": rank, "decoded_token": _tstr(tok, t)}
+  want = [None] + [{str(t + 1): entry(t + 1, -0.125, 1), str(t + 2): entry(t + 2, -0.25, 2),
+                    str(t): entry(t, stub_logprob(t), None)} for t in ids[1:]]
+  assert got == want
+  assert answer["choices"][0]["logprobs"] is None  # not asked for the generated tokens
+  assert app_server.engine.calls[-1]["logprobs"] == 2
+
+
+def test_prompt_logprobs_with_stream_is_refused(app_server):
+  r = _post(app_server, {"prompt": "x", "prompt_logprobs": 1, "stream": True})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_return_tokens_as_token_ids(app_server):
+  tok = app_server.tok.tok
+  ids = tok.encode("x = 1")
+  c = _post(app_server, {"prompt": "x = 1", "max_tokens": 2, "logprobs": 1,
+                         "return_tokens_as_token_ids": True}).json()["choices"][0]
+  assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids[:2]]
+  assert c["logprobs"]["top_logprobs"][0] == {f"token_id:{ids[0] + 1}": -0.125,
+                                              f"token_id:{ids[0]}": stub_logprob(ids[0])}
+
+
+# ------------------------------------------------------------------------------------------------
 # Every parameter of vLLM's request schemas (vllm/entrypoints/openai/protocol.py, CompletionRequest
 # and ChatCompletionRequest) is honoured (a behavioural check below) or refused with 400 naming it.
 # ------------------------------------------------------------------------------------------------
@@ -371,19 +546,18 @@ return_tokens_as_token_ids cache_salt kv_transfer_params vllm_xargs""".split()
 
 # Refused: a value that would change the output (their neutral values are taken, see below).
 REFUSED = {
-    "prompt_embeds": "AAAA", "best_of": 3, "echo": True, "logprobs": 2, "top_logprobs": 2,
-    "suffix": "tail", "use_beam_search": True,
+    "prompt_embeds": "AAAA", "best_of": 3, "suffix": "tail", "use_beam_search": True,
     "length_penalty": 0.5, "spaces_between_special_tokens": False,
-    "allowed_token_ids": [1, 2], "prompt_logprobs": 1, "response_format": {"type": "json_object"},
+    "allowed_token_ids": [1, 2], "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
     "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "priority": 1, "logits_processors": ["x.y"],
-    "return_tokens_as_token_ids": True, "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
     "reasoning_effort": "low", "bad_words": ["a"], "documents": [{"title": "t", "text": "x"}],
     "chat_template": "{{ messages }}", "chat_template_kwargs": {"a": 1},
     "mm_processor_kwargs": {"a": 1}}
-CHAT_REFUSED = {"add_special_tokens": True, "logprobs": True, "top_logprobs": 2}
+CHAT_REFUSED = {"add_special_tokens": True, "echo": True}
 # Every refused name at its neutral value: taken (clients that send defaults keep working).
 NEUTRAL = {
     "best_of": 1, "echo": False, "frequency_penalty": 0, "logit_bias": {}, "logprobs": None,
@@ -427,6 +601,15 @@ def _honoured_checks(app, chat):
     answer = run(user="alice@example")
     assert answer["choices"]  # the access-log line is checked in test_access_log_line
 
+  def lp_tokens(**kw):
+    lp = run(**dict({"logprobs": True} if chat else {"logprobs": 1}, **kw))["choices"][0]
+    return [c["token"] for c in lp["logprobs"]["content"]] if chat else lp["logprobs"]["tokens"]
+
+  def prompt_lp():
+    answer = run(prompt_logprobs=1)
+    got = answer["prompt_logprobs"] if chat else answer["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(base_ids) and got[0] is None and got[1], got
+
   def unknown_model():
     r = _post(app, dict(base, model="gpt-9"), path)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
@@ -461,6 +644,12 @@ def _honoured_checks(app, chat):
       "min_p": lambda: engine_got("min_p", 0.1, min_p=0.1),
       "min_tokens": lambda: engine_got("min_tokens", 2, min_tokens=2),
       "logit_bias": lambda: engine_got("logit_bias", {11: 5.0}, logit_bias={"11": 5}),
+      # Logprobs: the formats are checked in the tests above.
+      "logprobs": lambda: _eq(lp_tokens(), [tok.decode([t], skip_special_tokens=False)
+                                            for t in base_ids[:4]]),
+      "prompt_logprobs": prompt_lp,
+      "return_tokens_as_token_ids": lambda: _eq(lp_tokens(return_tokens_as_token_ids=True)[0],
+                                                f"token_id:{base_ids[0]}"),
   }
   if chat:
     no_gen = tok.apply_chat_template(base["messages"], add_generation_prompt=False)
@@ -472,11 +661,14 @@ def _honoured_checks(app, chat):
                                                   continue_final_message=True),
         include_reasoning=lambda: run(include_reasoning=False),  # never any reasoning content
         parallel_tool_calls=lambda: run(parallel_tool_calls=False),  # no tools to call
-        tool_choice=lambda: run(tool_choice="none"))
+        tool_choice=lambda: run(tool_choice="none"),
+        top_logprobs=lambda: _eq(len(run(logprobs=True, top_logprobs=2)["choices"][0][
+            "logprobs"]["content"][0]["top_logprobs"]), 2))
   else:
     checks.update(
         prompt=lambda: engine_got("prompt", base_ids),
-        add_special_tokens=lambda: engine_got("prompt", base_ids[1:], add_special_tokens=False))
+        add_special_tokens=lambda: engine_got("prompt", base_ids[1:], add_special_tokens=False),
+        echo=lambda: _eq(text(run(echo=True)), base["prompt"] + tok.decode(base_ids[:4])))
   return checks
 
 
