@@ -473,7 +473,8 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(app_server, stream):
     got = {i: (text, lp) for (i, (text, _, _)), lp in zip(sorted(_joined(chunks).items()),
                                                            _joined_logprobs(chunks).values())}
   else:
-    got = {c["index"]: (c["text"], c["logprobs"]) for c in _post(app_server, body).json()["choices"]}
+    got = {c["index"]: (c["text"], c["logprobs"])
+           for c in _post(app_server, body).json()["choices"]}
   assert app_server.engine.calls[-1]["prompt_logprobs"] is True
   assert tok.decode(ids) == prompt  # the echoed text: the prompt, BOS not shown
   want = (prompt + tok.decode(ids[:4]), _want_completion(tok, ids + ids[:4], 1, len(ids)))
