@@ -349,3 +349,34 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
   assert proc.returncode == 130, seen + rest
   assert lines[-1] == "serve: interrupted", lines
   assert not [l for l in lines if "Fatal" in l or "Traceback" in l], lines
+
+
+@pytest.mark.slow
+def test_greedy_completion_logprobs_with_the_engine(server, loaded):
+  """logprobs=2 at temperature 0 (speculative, K=3): each generated token is its own top-1
+  alternative, every logprob is <= 0, and with echo the prompt's tokens come first (the first
+  without a logprob), aligned with token_ids."""
+  tok = loaded.tokenizer
+  prompt = "def fibonacci(n):"
+  ids = tok.encode(prompt)
+  r = httpx.post(f"{server}/v1/completions", timeout=REQUEST_TIMEOUT_S, json={
+      "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2, "echo": True,
+      "return_token_ids": True, "ignore_eos": True})
+  assert r.status_code == 200, r.text
+  c = r.json()["choices"][0]
+  lp, gen = c["logprobs"], c["token_ids"]
+  assert c["text"].startswith(prompt) and len(gen) == 8
+  text = lambda t: tok.decode([t], skip_special_tokens=False)
+  assert lp["tokens"] == [text(t) for t in ids + gen]
+  assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+  assert all(v <= 0 for v in lp["token_logprobs"][1:])
+  for t, v, top in zip(gen, lp["token_logprobs"][len(ids):], lp["top_logprobs"][len(ids):]):
+    assert len(top) == 2 and max(top, key=top.get) == text(t), (t, top)
+    assert top[text(t)] == v and all(x <= 0 for x in top.values())
+  # Plain decoding's (another program: no draft, batch 1): same tokens and top-2; values differ by
+  # up to ~2e-2 here (the bf16 model's logits differ by program, README Sampling).
+  ref = maverick.generate(loaded.model, [ids], max_new_tokens=8, stop_tokens=[], logprobs=2)
+  assert gen == ref.tokens[0]
+  for top, (_, alts) in zip(lp["top_logprobs"][len(ids):], ref.logprobs[0]):
+    assert top.keys() == {text(a) for a, _ in alts}, (top, alts)
+    assert all(abs(top[text(a)] - x) < 5e-2 for a, x in alts), (top, alts)

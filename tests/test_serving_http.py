@@ -32,11 +32,24 @@ STEP = 3  # tokens per stub event (the engine's steps return several tokens too)
 WAIT_S = 10
 
 
+def stub_logprob(t):
+  """The stub's logprob of token t, and its alternatives': simple formulas the tests share."""
+  return -0.5 - (t % 11) / 4
+
+
+def stub_entry(t, top):
+  """(logprob of t, its top alternatives): ids t+1, t+2, ... at -0.125, -0.25, then -inf (an
+  alternative the filters removed)."""
+  alts = [(t + 1 + j, -0.125 * (j + 1) if j < 2 else float("-inf")) for j in range(top)]
+  return stub_logprob(t), alts
+
+
 class StubEngine:
   """What the app uses of an Engine. A request's output is its prompt's tokens (repeated), in
   events of STEP tokens, up to max_tokens or a stop id (included, as the engine does). One with
   max_tokens >= HANG runs until cancelled (`submitted`, then `cancelled` is set). `calls` keeps
-  every submit's prompt and keywords."""
+  every submit's prompt and keywords. With logprobs=N each token has stub_entry(t, N); with
+  prompt_logprobs the first event has [None] + those of the prompt's other tokens."""
 
   max_seq_len = CONTEXT
   error = None
@@ -61,10 +74,16 @@ class StubEngine:
       return handle
     out = [prompt[i % len(prompt)] for i in range(max_tokens)]
     end = next((i + 1 for i, t in enumerate(out) if t in stops), len(out))
+    top = kw.get("logprobs")
+    entries = lambda toks: None if top is None else [stub_entry(t, top) for t in toks]
+    first = [None] + [stub_entry(t, top or 0) for t in prompt[1:]] \
+        if kw.get("prompt_logprobs") else None
     for i in range(0, end, STEP):
       done = i + STEP >= end
       reason = ("stop" if out[end - 1] in stops else "length") if done else None
-      callback(Event(out[i:min(i + STEP, end)], done, reason))
+      toks = out[i:min(i + STEP, end)]
+      callback(Event(toks, done, reason, logprobs=entries(toks),
+                     prompt_logprobs=first if i == 0 else None))
     return handle
 
   def cancel(self, handle):
@@ -371,19 +390,18 @@ return_tokens_as_token_ids cache_salt kv_transfer_params vllm_xargs""".split()
 
 # Refused: a value that would change the output (their neutral values are taken, see below).
 REFUSED = {
-    "prompt_embeds": "AAAA", "best_of": 3, "echo": True, "logprobs": 2, "top_logprobs": 2,
-    "suffix": "tail", "use_beam_search": True,
+    "prompt_embeds": "AAAA", "best_of": 3, "suffix": "tail", "use_beam_search": True,
     "length_penalty": 0.5, "spaces_between_special_tokens": False,
-    "allowed_token_ids": [1, 2], "prompt_logprobs": 1, "response_format": {"type": "json_object"},
+    "allowed_token_ids": [1, 2], "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
     "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "priority": 1, "logits_processors": ["x.y"],
-    "return_tokens_as_token_ids": True, "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
     "reasoning_effort": "low", "bad_words": ["a"], "documents": [{"title": "t", "text": "x"}],
     "chat_template": "{{ messages }}", "chat_template_kwargs": {"a": 1},
     "mm_processor_kwargs": {"a": 1}}
-CHAT_REFUSED = {"add_special_tokens": True, "logprobs": True, "top_logprobs": 2}
+CHAT_REFUSED = {"add_special_tokens": True, "echo": True}
 # Every refused name at its neutral value: taken (clients that send defaults keep working).
 NEUTRAL = {
     "best_of": 1, "echo": False, "frequency_penalty": 0, "logit_bias": {}, "logprobs": None,
@@ -427,6 +445,15 @@ def _honoured_checks(app, chat):
     answer = run(user="alice@example")
     assert answer["choices"]  # the access-log line is checked in test_access_log_line
 
+  def lp_tokens(**kw):
+    lp = run(**dict({"logprobs": True} if chat else {"logprobs": 1}, **kw))["choices"][0]
+    return [c["token"] for c in lp["logprobs"]["content"]] if chat else lp["logprobs"]["tokens"]
+
+  def prompt_lp():
+    answer = run(prompt_logprobs=1)
+    got = answer["prompt_logprobs"] if chat else answer["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(base_ids) and got[0] is None and got[1], got
+
   def unknown_model():
     r = _post(app, dict(base, model="gpt-9"), path)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
@@ -461,6 +488,12 @@ def _honoured_checks(app, chat):
       "min_p": lambda: engine_got("min_p", 0.1, min_p=0.1),
       "min_tokens": lambda: engine_got("min_tokens", 2, min_tokens=2),
       "logit_bias": lambda: engine_got("logit_bias", {11: 5.0}, logit_bias={"11": 5}),
+      # Logprobs: the formats are checked in the tests above.
+      "logprobs": lambda: _eq(lp_tokens(), [tok.decode([t], skip_special_tokens=False)
+                                            for t in base_ids[:4]]),
+      "prompt_logprobs": prompt_lp,
+      "return_tokens_as_token_ids": lambda: _eq(lp_tokens(return_tokens_as_token_ids=True)[0],
+                                                f"token_id:{base_ids[0]}"),
   }
   if chat:
     no_gen = tok.apply_chat_template(base["messages"], add_generation_prompt=False)
@@ -472,11 +505,14 @@ def _honoured_checks(app, chat):
                                                   continue_final_message=True),
         include_reasoning=lambda: run(include_reasoning=False),  # never any reasoning content
         parallel_tool_calls=lambda: run(parallel_tool_calls=False),  # no tools to call
-        tool_choice=lambda: run(tool_choice="none"))
+        tool_choice=lambda: run(tool_choice="none"),
+        top_logprobs=lambda: _eq(len(run(logprobs=True, top_logprobs=2)["choices"][0][
+            "logprobs"]["content"][0]["top_logprobs"]), 2))
   else:
     checks.update(
         prompt=lambda: engine_got("prompt", base_ids),
-        add_special_tokens=lambda: engine_got("prompt", base_ids[1:], add_special_tokens=False))
+        add_special_tokens=lambda: engine_got("prompt", base_ids[1:], add_special_tokens=False),
+        echo=lambda: _eq(text(run(echo=True)), base["prompt"] + tok.decode(base_ids[:4])))
   return checks
 
 

@@ -2,8 +2,6 @@
 
 Every name vLLM's CompletionRequest / ChatCompletionRequest takes is one of:
   - honoured: read into `Options` (and the README's parameter table says how);
-  - PENDING_ENGINE: parsed and checked here, refused with 400 unless neutral until the engine
-    takes them (`Options.engine_kwargs` holds them in `Engine.submit`'s keywords);
   - NEUTRAL_ONLY: taken at the value that changes nothing, refused with 400 otherwise.
 Any other name is refused with 400 naming it: nothing is silently ignored.
 """
@@ -21,10 +19,6 @@ class ApiError(Exception):
     super().__init__(message)
     self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
-
-# Parsed and checked here; refused unless neutral until the server formats logprobs (the engine
-# computes them: Event.logprobs / prompt_logprobs).
-PENDING_ENGINE = frozenset({"logprobs", "top_logprobs", "echo", "prompt_logprobs"})
 
 # Taken only at a value that changes nothing (JSON null always is); why, for the README and errors.
 NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
@@ -49,7 +43,6 @@ NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
     "guided_whitespace_pattern": ((), "guided decoding is not implemented"),
     "priority": ((0,), "requests are served first come, first served"),
     "logits_processors": (([],), "custom logits processors are not loaded"),
-    "return_tokens_as_token_ids": ((False,), "it applies to logprobs"),
     "kv_transfer_params": (({},), "disaggregated serving is not implemented"),
     "vllm_xargs": (({},), "there are no extension arguments"),
     "mm_processor_kwargs": (({},), "the server is text-only"),
@@ -57,21 +50,24 @@ NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
     "chat_template": ((), "the model's own chat template is used"),
     "chat_template_kwargs": (({},), "the chat template takes no arguments"),
 }
-CHAT_ONLY_NEUTRAL = {"add_special_tokens": ((False,), "the chat template adds the special tokens")}
+CHAT_ONLY_NEUTRAL = {"add_special_tokens": ((False,), "the chat template adds the special tokens"),
+                     "echo": ((False,), "chat does not echo the last message; completions take "
+                              "'echo'")}
 
 # Read into Options (the table in README.md says how each is honoured).
 COMMON = {"model", "max_tokens", "n", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
           "stream", "stream_options", "temperature", "top_p", "top_k", "ignore_eos", "user",
           "request_id", "skip_special_tokens", "truncate_prompt_tokens", "cache_salt",
           "return_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "min_p", "min_tokens", "logit_bias"}
-COMPLETION_ONLY = {"prompt", "add_special_tokens"}
-CHAT_ONLY = {"messages", "max_completion_tokens", "add_generation_prompt",
+          "min_p", "min_tokens", "logit_bias", "logprobs", "prompt_logprobs",
+          "return_tokens_as_token_ids"}
+COMPLETION_ONLY = {"prompt", "add_special_tokens", "echo"}
+CHAT_ONLY = {"messages", "max_completion_tokens", "add_generation_prompt", "top_logprobs",
              "continue_final_message", "include_reasoning", "parallel_tool_calls"}
 
 
 def known_names(chat: bool) -> set[str]:
-  names = COMMON | set(PENDING_ENGINE) | set(NEUTRAL_ONLY)
+  names = COMMON | set(NEUTRAL_ONLY)
   return names | (CHAT_ONLY | set(CHAT_ONLY_NEUTRAL) if chat else COMPLETION_ONLY)
 
 
@@ -99,7 +95,11 @@ class Options:
   continue_final: bool
   request_id: str | None
   user: str | None
-  engine_kwargs: dict[str, Any]  # PENDING_ENGINE values in Engine.submit's keywords
+  logprobs: int | None  # top-N alternatives per generated token; None: no logprobs
+  prompt_logprobs: int | None  # vLLM's: top-N per prompt token; None: none
+  echo: bool  # completions: the prompt first (with logprobs: its tokens' logprobs first)
+  tokens_as_ids: bool  # logprob tokens written "token_id:<id>"
+  engine_kwargs: dict[str, Any]  # sampling and logprob options in Engine.submit's keywords
 
 
 def number(body, name, default, lo=None, hi=None, lo_open=False, integer=False):
@@ -154,8 +154,8 @@ def _token_ids(body, name) -> list[int]:
   return v
 
 
-def _pending(body, chat: bool, max_tokens: int | None) -> dict[str, Any]:
-  """The engine helper's parameters, checked, as Engine.submit keywords."""
+def _sampling(body, chat: bool, max_tokens: int | None) -> dict[str, Any]:
+  """The sampling options, checked, as Engine.submit keywords."""
   kw: dict[str, Any] = {
       "presence_penalty": float(number(body, "presence_penalty", 0.0, lo=-2, hi=2)),
       "frequency_penalty": float(number(body, "frequency_penalty", 0.0, lo=-2, hi=2)),
@@ -173,30 +173,24 @@ def _pending(body, chat: bool, max_tokens: int | None) -> dict[str, Any]:
     if not (isinstance(key, str) and key.isdigit()):
       raise ApiError(400, f"'logit_bias' keys are token ids, got {key!r}", "logit_bias")
     kw["logit_bias"][int(key)] = float(number(bias, key, 0.0, lo=-100, hi=100))
+  return kw
+
+
+def _logprob_options(body, chat: bool) -> tuple[int | None, int | None, bool]:
+  """(top-N per generated token or None, top-N per prompt token or None, echo)."""
   if chat:
     want = boolean(body, "logprobs")
     top = number(body, "top_logprobs", 0, lo=0, hi=20, integer=True)
     if top and not want:
       raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    kw["logprobs"] = top if want else None
+    logprobs = top if want else None
   else:
-    if body.get("top_logprobs") is not None:
-      raise ApiError(400, "'top_logprobs' is a chat parameter; completions take 'logprobs': "
-                     "<int>", "top_logprobs")
-    kw["logprobs"] = number(body, "logprobs", None, lo=0, hi=20, integer=True)
-  prompt_logprobs = number(body, "prompt_logprobs", None, lo=0, integer=True)
-  echo = boolean(body, "echo")
-  kw["prompt_logprobs"] = prompt_logprobs is not None or (echo and kw["logprobs"] is not None)
-  neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-             "min_p": 0.0, "min_tokens": 0, "logit_bias": {}}
-  used = [k for k, v in neutral.items() if kw[k] != v]
-  used += [k for k in ("logprobs", "prompt_logprobs") if body.get(k) not in (None, False)]
-  used += ["top_logprobs"] * bool(body.get("top_logprobs")) + ["echo"] * echo
-  refused = [k for k in used if k in PENDING_ENGINE]
-  if refused:
-    raise ApiError(400, f"'{refused[0]}' is not supported by this server yet; leave it out (or "
-                   f"at its neutral value)", refused[0])
-  return kw
+    logprobs = number(body, "logprobs", None, lo=0, hi=20, integer=True)
+  prompt_logprobs = number(body, "prompt_logprobs", None, lo=0, hi=20, integer=True)
+  if prompt_logprobs is not None and body.get("stream") is True:  # as vLLM
+    raise ApiError(400, "'prompt_logprobs' is not available with 'stream': true; leave one out",
+                   "prompt_logprobs")
+  return logprobs, prompt_logprobs, not chat and boolean(body, "echo")
 
 
 def parse_options(body: dict, chat: bool) -> Options:
@@ -242,6 +236,11 @@ def parse_options(body: dict, chat: bool) -> Options:
                    "continue_final_message")
   boolean(body, "include_reasoning")  # no reasoning content is ever produced: both values hold
   boolean(body, "parallel_tool_calls")  # no tools: nothing to call, in parallel or not
+  logprobs, prompt_logprobs, echo = _logprob_options(body, chat)
+  kw = _sampling(body, chat, max_tokens)
+  # The engine takes one top-N for both; each list is cut to what was asked for.
+  kw["logprobs"] = max((k for k in (logprobs, prompt_logprobs) if k is not None), default=None)
+  kw["prompt_logprobs"] = prompt_logprobs is not None or (echo and logprobs is not None)
   return Options(
       max_tokens=max_tokens, max_tokens_name=limit,
       temperature=float(number(body, "temperature", 1.0, lo=0, hi=2)),
@@ -257,4 +256,5 @@ def parse_options(body: dict, chat: bool) -> Options:
       truncate=number(body, "truncate_prompt_tokens", None, lo=1, integer=True),
       add_generation_prompt=add_generation_prompt and not continue_final,
       continue_final=continue_final, request_id=body.get("request_id"), user=body.get("user"),
-      engine_kwargs=_pending(body, chat, max_tokens))
+      logprobs=logprobs, prompt_logprobs=prompt_logprobs, echo=echo,
+      tokens_as_ids=boolean(body, "return_tokens_as_token_ids"), engine_kwargs=kw)

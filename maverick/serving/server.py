@@ -11,8 +11,9 @@ Both generation POSTs take n >= 1 and stream with "stream": true (server-sent ev
 maverick.serving.params: every name vLLM takes is honoured or refused with 400 naming it. Errors
 have OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 401
 without the API key, 404 for an unknown model, 413 for a body over `max_request_bytes`, 503
-while starting. Stop strings are matched on the decoded text here (the output and usage end at
-the token that completes one); end-of-sequence and stop_token_ids stop on device.
+while starting. Stop strings are matched on the decoded text here (the output, usage and logprobs
+end at the token that completes one); end-of-sequence and stop_token_ids stop on device. Logprobs
+are formatted in maverick.serving.logprobs.
 
 The event loop never waits on a large prompt: bodies are counted while they arrive (refused past the
 limit, never buffered whole) and long texts are tokenized in a worker thread. A client that leaves
@@ -39,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from maverick.serving import params
+from maverick.serving.logprobs import Formatter
 from maverick.serving.metrics import Gateway, Metrics
 from maverick.serving.params import ApiError
 
@@ -179,10 +181,16 @@ class _Choice:
   handle: Any
   detok: Detokenizer
   arrival: float
+  prompt: list
   last: float | None = None
   text: str = ""
   ids: list = dataclasses.field(default_factory=list)
   reason: str | None = None
+  echo: str | None = None  # the prompt text still to show (completions' echo)
+  prompt_lp: list | None = None  # the engine's prompt logprobs (first event)
+  lp_ids: list = dataclasses.field(default_factory=list)  # tokens with logprobs (echo: prompt too)
+  lp: list = dataclasses.field(default_factory=list)  # their engine entries
+  offset: int = 0  # text_offset of the next logprob token
 
 
 def create_app(server: Server) -> FastAPI:
@@ -350,7 +358,9 @@ def create_app(server: Server) -> FastAPI:
           server.open_handles[id(handle)] = handle
           detok = Detokenizer(server.tokenizer, handle.stop_ids, o.stops, o.include_stop,
                               o.skip_special)
-          choices.append(_Choice(i, handle, detok, arrival))
+          echo = server.tokenizer.decode(ids, skip_special_tokens=o.skip_special) if o.echo \
+              else None
+          choices.append(_Choice(i, handle, detok, arrival, list(ids), echo=echo))
     except BaseException as e:
       for c in choices:
         engine.cancel(c.handle)
@@ -387,9 +397,11 @@ def create_app(server: Server) -> FastAPI:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{o.request_id or uuid.uuid4().hex}"
     obj = "chat.completion" if chat else "text_completion"
     created = int(time.time())
+    fmt = Formatter(server.tokenizer, o.logprobs, o.prompt_logprobs, o.tokens_as_ids)
 
     async def pieces():
-      """(choice, text delta, returned token ids) until every choice has its finish reason."""
+      """(choice, text delta, returned token ids, (token ids, engine logprob entries) to report)
+      until every choice has its finish reason."""
       running = len(choices)
       try:
         while running:
@@ -401,9 +413,19 @@ def create_app(server: Server) -> FastAPI:
             raise RuntimeError("the engine failed; see the server log")
           text, toks = c.detok.push(ev.tokens, ev.done)
           c.reason = "stop" if c.detok.stopped else ev.finish_reason
+          if ev.prompt_logprobs is not None:
+            c.prompt_lp = ev.prompt_logprobs
+          # only the returned tokens (up to a stop string's) have logprobs
+          lp = ([], []) if o.logprobs is None else (toks, ev.logprobs[:len(toks)])
+          if c.echo is not None:  # the first piece starts with the prompt
+            text, c.echo = c.echo + text, None
+            if o.logprobs is not None:
+              lp = (c.prompt + lp[0], c.prompt_lp + lp[1])
           metrics.observe_tokens(c, len(toks), time.perf_counter())
           c.text += text
           c.ids += toks
+          c.lp_ids += lp[0]
+          c.lp += lp[1]
           usage["completion_tokens"] += len(toks)
           usage["total_tokens"] += len(toks)
           if c.reason is not None:
@@ -414,20 +436,28 @@ def create_app(server: Server) -> FastAPI:
             metrics.finished.labels(c.reason).inc()
             if getattr(ev, "rounds", 0):
               metrics.acceptance.observe(ev.accepted / ev.rounds)
-          yield c, text, toks
+          yield c, text, toks, lp
       finally:
         for c in choices:  # client gone, or an error: free the slots
           if not c.handle.finished:
             engine.cancel(c.handle)
           server.open_handles.pop(id(c.handle), None)
 
-    def choice(c: _Choice, text, token_ids, delta, reason):
+    def choice(c: _Choice, text, token_ids, lp, delta, reason):
       out: dict[str, Any] = {"index": c.index, "finish_reason": reason}
       if chat:
         out["delta" if delta else "message"] = ({"content": text} if delta else
                                                 {"role": "assistant", "content": text})
       else:
-        out["text"], out["logprobs"] = text, None
+        out["text"] = text
+      out["logprobs"] = None
+      if o.logprobs is not None and (lp[0] or not delta):
+        if chat:
+          out["logprobs"] = fmt.chat(*lp)
+        else:
+          out["logprobs"], c.offset = fmt.completion(*lp, c.offset)
+      if o.prompt_logprobs is not None and not chat:  # vLLM's place; chat: the response's
+        out["prompt_logprobs"] = fmt.prompt(c.prompt, c.prompt_lp)
       if o.return_ids:
         out["token_ids"] = token_ids
       return out
@@ -436,9 +466,12 @@ def create_app(server: Server) -> FastAPI:
       async def collect():
         async for _ in pieces():
           pass
-        return {"id": rid, "object": obj, "created": created, "model": server.model_name,
-                "choices": [choice(c, c.text, c.ids, False, c.reason) for c in choices],
-                "usage": dict(usage)}
+        answer = {"id": rid, "object": obj, "created": created, "model": server.model_name,
+                  "choices": [choice(c, c.text, c.ids, (c.lp_ids, c.lp), False, c.reason)
+                              for c in choices], "usage": dict(usage)}
+        if o.prompt_logprobs is not None and chat:  # one prompt: every choice's are the same
+          answer["prompt_logprobs"] = fmt.prompt(choices[0].prompt, choices[0].prompt_lp)
+        return answer
       # A client that leaves cancels the collecting task, whose `pieces` frees the slots.
       answer = asyncio.ensure_future(collect())
       gone = asyncio.ensure_future(_client_disconnects(request))
@@ -456,11 +489,12 @@ def create_app(server: Server) -> FastAPI:
       send = lambda **kw: f"data: {json.dumps(dict(head, **kw))}\n\n"
       if chat:
         for c in choices:
-          first = dict(choice(c, "", [], True, None), delta={"role": "assistant", "content": ""})
+          first = dict(choice(c, "", [], ([], []), True, None),
+                       delta={"role": "assistant", "content": ""})
           yield send(choices=[first])
-      async for c, piece, toks in pieces():
+      async for c, piece, toks, lp in pieces():
         if piece or toks or c.reason:
-          yield send(choices=[choice(c, piece, toks, True, c.reason)])
+          yield send(choices=[choice(c, piece, toks, lp, True, c.reason)])
       if o.include_usage:
         yield send(choices=[], usage=dict(usage))
       yield "data: [DONE]\n\n"
