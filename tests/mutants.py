@@ -117,13 +117,13 @@ MUTANTS = [
     Mutant("acceptance ignores q (u < p)", V, "verify_chain_sampled",
            "accept = u * q_draft < p_draft", "accept = u < p_draft", CHI2_CHAIN),
     Mutant("q lifted to draft ids (d2t ignored)", S, "draft_chain",
-           "probs.at[:, j].set(q)",
-           "probs.at[:, j].set(sampling.probabilities(jnp.pad(logits, ((0, 0), (0, vocab - "
-           "logits.shape[-1])), constant_values=-jnp.inf), params))", CHI2_CHAIN),
+           "jnp.where(at_j[:, None], q[:, None], probs)",
+           "jnp.where(at_j[:, None], sampling.probabilities(jnp.pad(logits, ((0, 0), (0, vocab - "
+           "logits.shape[-1])), constant_values=-jnp.inf), params)[:, None], probs)", CHI2_CHAIN),
     Mutant("sampling params not applied to q", S, "draft_chain",
-           "probs.at[:, j].set(q)",
-           "probs.at[:, j].set(jax.nn.softmax(draft.lift_logits(logits, vocab).astype("
-           "jnp.float32)))", CHI2_CHAIN[::-1]),
+           "jnp.where(at_j[:, None], q[:, None], probs)",
+           "jnp.where(at_j[:, None], jax.nn.softmax(draft.lift_logits(logits, vocab).astype("
+           "jnp.float32))[:, None], probs)", CHI2_CHAIN[::-1]),
     Mutant("draft fed the features one position early", S, "round_fns",
            "dout = draft(emitted, draft.fuse(features), embed",
            "dout = draft(emitted, draft.fuse(jnp.roll(features, 1, axis=1)), embed", TEACHER),
@@ -155,9 +155,10 @@ MUTANTS = [
            "return jnp.where(on_path, tokens_bt[:, None, :], -1)",
            "return jnp.where(on_path & False, tokens_bt[:, None, :], -1)", PENALTIES[::-1]),
     Mutant("q recorded without the penalties it was drawn with", S, "draft_chain",
-           "return sampling.draw(keys, jnp.log(q), params), probs.at[:, j].set(q)",
-           "return sampling.draw(keys, jnp.log(q), params), probs.at[:, j].set("
-           "sampling.probabilities(draft.lift_logits(logits, vocab), params))", PENALTIES),
+           "return sampling.draw(keys, jnp.log(q), params), jnp.where(at_j[:, None], q[:, None], probs)",
+           "return sampling.draw(keys, jnp.log(q), params), jnp.where(at_j[:, None], "
+           "sampling.probabilities(draft.lift_logits(logits, vocab), params)[:, None], probs)",
+           PENALTIES),
     Mutant("commit_path leaves the FP8 scales behind", T, "commit_path",
            "k_scale=move_all(cache.k_scale), v_scale=move_all(cache.v_scale)",
            "k_scale=cache.k_scale, v_scale=cache.v_scale", ("fp8 tree commit",)),

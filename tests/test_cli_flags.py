@@ -59,7 +59,7 @@ def test_ctrl_c_in_generate_is_one_line_and_status_130(tmp_path):
   try:
     time.sleep(0.2)  # the reader is now in read(); the signal interrupts it
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=180)
   finally:
     os.close(writer)
   assert "Traceback" not in err, err

@@ -43,7 +43,7 @@ def test_runs_top_to_bottom(monkeypatch):
                    for o in c.outputs)
   assert "speculative K=3: same text" in text
   assert "converted checkpoint generates" in text
-  assert "same tokens as on one device" in text and "'data'" in text
+  assert "identical to one device" in text and "'data'" in text
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if "image/png" in o.get("data", {})]
   assert len(images) == 1  # the acceptance-per-position plot

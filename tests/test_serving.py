@@ -342,7 +342,7 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
       assert char, f"serve.py ended before compiling: {seen}"
       seen += char
     proc.send_signal(signal.SIGINT)
-    rest = proc.communicate(timeout=60)[1]
+    rest = proc.communicate(timeout=180)[1]
   finally:
     proc.kill()
   lines = [l for l in (seen + rest).replace("\r", "\n").splitlines() if l.strip()]
