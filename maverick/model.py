@@ -135,7 +135,12 @@ def rope_inv_freq(cfg: Config) -> np.ndarray:
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
   """Interleaved-pair RoPE: (x[2j], x[2j+1]) is one complex number rotated by pos * inv_freq[j]."""
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  return rotate_pairs(x, positions.astype(jnp.float32)[..., None] * inv_freq)
+
+
+def rotate_pairs(x: jax.Array, angles: jax.Array) -> jax.Array:
+  """x [B, T, heads, Dh] with (x[2j], x[2j+1]) rotated by angles [B, T, Dh/2] (f32), every head
+  alike: the text RoPE and the vision tower's 2D RoPE (maverick.vision.model)."""
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
   xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)

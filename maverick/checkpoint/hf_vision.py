@@ -1,0 +1,99 @@
+"""Hugging Face Llama 4 vision tower tensors (``vision_model.*``, ``multi_modal_projector.*``) -> a
+``maverick.vision.model.VisionTower``.
+
+The tower stays in its stored float dtype class (BF16 in the bf16, Meta FP8 and ModelOpt checkpoints:
+both FP8 formats exclude it from quantization) and is cast to the tower config's dtype. On a mesh it is
+replicated (see maverick/vision/model.py for why): every device receives the whole tower.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maverick.checkpoint.hf import CheckpointError, SafetensorsCheckpoint
+from maverick.vision import model as vision_lib
+
+_t = lambda x: x.T  # nn.Linear [out, in] -> ours [in, out]
+_ident = lambda x: x
+
+
+def weight_map(cfg: vision_lib.VisionConfig) -> dict[str, tuple[tuple, tuple[int, ...], object]]:
+  """HF tensor name -> (our state path, HF shape, transform), every tensor the tower needs."""
+  D, F = cfg.hidden_size, cfg.intermediate_size
+  m = {}
+
+  def linear(name, path, din, dout, bias):
+    m[name + ".weight"] = (path + ("weight",), (dout, din), _t)
+    if bias:
+      m[name + ".bias"] = (path + ("bias",), (dout,), _ident)
+
+  def norm(name, path):
+    m[name + ".weight"] = (path + ("weight",), (D,), _ident)
+    m[name + ".bias"] = (path + ("bias",), (D,), _ident)
+
+  v = "vision_model."
+  linear(v + "patch_embedding.linear", ("patch_embed",), cfg.num_channels * cfg.patch_size ** 2, D,
+         False)
+  m[v + "class_embedding"] = (("class_embedding",), (D,), _ident)
+  m[v + "positional_embedding_vlm"] = (("positional_embedding",), (cfg.patches + 1, D), _ident)
+  norm(v + "layernorm_pre", ("pre_norm",))
+  norm(v + "layernorm_post", ("post_norm",))
+  for i in range(cfg.num_hidden_layers):
+    p, L = f"{v}model.layers.{i}.", ("layers", i)
+    norm(p + "input_layernorm", L + ("input_norm",))
+    norm(p + "post_attention_layernorm", L + ("post_attn_norm",))
+    for n in "qkvo":
+      linear(p + f"self_attn.{n}_proj", L + ("attn", n), D, D, True)
+    linear(p + "mlp.fc1", L + ("fc1",), D, F, True)
+    linear(p + "mlp.fc2", L + ("fc2",), F, D, True)
+  linear(v + "vision_adapter.mlp.fc1", ("adapter_fc1",), F, cfg.projector_input_dim, False)
+  linear(v + "vision_adapter.mlp.fc2", ("adapter_fc2",), cfg.projector_input_dim,
+         cfg.projector_output_dim, False)
+  linear("multi_modal_projector.linear_1", ("projector",), cfg.vision_output_dim,
+         cfg.text_hidden_size, False)
+  return m
+
+
+def has_tower(ckpt: SafetensorsCheckpoint) -> bool:
+  return any(_strip(n).startswith("vision_model.") for n in ckpt.tensors)
+
+
+def _strip(name: str) -> str:
+  # HF >= 4.5x nests the multimodal model under `model.` (`model.vision_model.*`) in some saves
+  return name[len("model."):] if name.startswith(("model.vision_model.",
+                                                  "model.multi_modal_projector.")) else name
+
+
+def load_tower(ckpt: SafetensorsCheckpoint, cfg: vision_lib.VisionConfig, *,
+               mesh=None) -> vision_lib.VisionTower:
+  """Reads the tower's tensors (shapes checked against `cfg`, names both ways) into a tower, on
+  the default device or replicated over `mesh`."""
+  wmap = weight_map(cfg)
+  stored = {_strip(n): n for n in ckpt.tensors
+            if _strip(n).startswith(("vision_model.", "multi_modal_projector."))}
+  missing = sorted(set(wmap) - set(stored))
+  extra = sorted(set(stored) - set(wmap))
+  if missing or extra:
+    raise CheckpointError(f"{ckpt.directory}: the vision tower does not match its vision_config: "
+                          f"missing tensors {missing[:5]}, unexpected tensors {extra[:5]}; load it "
+                          "text-only (vision=False / --text_only) or fix config.json")
+  graphdef, state = nnx.split(vision_lib.abstract_tower(cfg))
+  flat = dict(nnx.to_flat_state(state))
+  dt = jnp.dtype(cfg.dtype)
+  place = (jax.device_put if mesh is None else
+           lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+  updated = []
+  for name, (path, shape, transform) in wmap.items():
+    x = ckpt.read(stored[name])
+    if tuple(x.shape) != shape:
+      raise CheckpointError(f"{ckpt.directory}: tensor {stored[name]} has shape {tuple(x.shape)}, "
+                            f"the vision_config needs {shape}")
+    if x.dtype.kind not in "fV" and str(x.dtype) != "bfloat16":
+      raise CheckpointError(f"tensor {stored[name]} has dtype {x.dtype}: the vision tower is read "
+                            "in a float dtype (FP8 checkpoints keep it in BF16)")
+    var = flat[path]
+    updated.append((path, var.replace(value=place(np.asarray(transform(x)).astype(dt)))))
+  return nnx.merge(graphdef, nnx.from_flat_state(updated))

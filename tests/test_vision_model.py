@@ -1,0 +1,117 @@
+"""The Llama 4 vision tower (maverick/vision/model.py) against Hugging Face's Llama4VisionModel +
+Llama4MultiModalProjector on tests/fixtures/hf_llama4_mm_tiny (tools/make_multimodal_fixture.py)."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from maverick.checkpoint import hf_vision
+from maverick.checkpoint.hf import CheckpointError, SafetensorsCheckpoint
+from maverick.vision import model as vision_lib
+from maverick.vision import preprocess
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_llama4_mm_tiny")
+CASES = ("one_image", "two_images")
+
+
+@pytest.fixture(scope="module")
+def outputs():
+  return dict(np.load(os.path.join(FIXTURE, "outputs.npz")))
+
+
+@pytest.fixture(scope="module")
+def meta():
+  with open(os.path.join(FIXTURE, "meta.json")) as f:
+    return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def tower():
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    cfg = vision_lib.from_hf(json.load(f), dtype="float32")
+  return hf_vision.load_tower(SafetensorsCheckpoint(FIXTURE), cfg)
+
+
+def rel_err(a, b):
+  return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+def test_config_from_hf_is_the_tiny_preset():
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    cfg = vision_lib.from_hf(json.load(f), dtype="float32")
+  assert cfg == vision_lib.tiny().replace(max_tiles=cfg.max_tiles)
+  assert cfg.patches_per_tile == 4 and cfg.head_dim == 16
+  assert vision_lib.from_hf({"model_type": "llama4_text"}) is None
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_features_match_hf(tower, outputs, case):
+  pixels = outputs[f"{case}.pixel_values"]
+  ref = outputs[f"{case}.features"]
+  got = np.asarray(vision_lib.apply(*nnx.split(tower), pixels))
+  assert got.shape == ref.shape == (pixels.shape[0] * 4, 64)
+  assert rel_err(got, ref) < 1e-4, rel_err(got, ref)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_preprocessing_gives_hf_pixel_values(outputs, meta, case):
+  """Our NumPy preprocessing of the fixture's PNGs = the pixel values HF's processor fed the model."""
+  PIL = pytest.importorskip("PIL.Image")
+  info = next(c for c in meta["cases"] if c["name"] == case)
+  cfg = vision_lib.tiny().preprocess(max_tiles=meta["max_tiles"])
+  images = [np.asarray(PIL.open(os.path.join(FIXTURE, f"{case}_{k}.png")).convert("RGB"))
+            for k in range(len(info["images"]))]
+  pixels, grids = preprocess.preprocess_images(images, cfg)
+  assert [list(g) for g in grids] == info["tile_grids"]
+  np.testing.assert_allclose(pixels, outputs[f"{case}.pixel_values"], rtol=0, atol=1e-6)
+
+
+def test_rope_angles_follow_hf_layout():
+  """Independent float64 reading of HF's freqs_ci: pair j < head_dim/4 turns with the column,
+  the next head_dim/4 pairs with the row (both + 1), the class token (last) not at all."""
+  cfg = vision_lib.tiny()
+  side, hd = 4, cfg.head_dim
+  freq = 1.0 / 10000.0 ** (np.arange(0, hd // 2, 2)[: hd // 4] / (hd // 2))
+  angles = vision_lib.rope_angles(cfg)
+  assert angles.shape == (side * side + 1, hd // 2)
+  for p in range(side * side):
+    row, col = divmod(p, side)
+    np.testing.assert_allclose(angles[p], np.r_[(col + 1) * freq, (row + 1) * freq], rtol=1e-6)
+  assert not angles[-1].any()
+
+
+def test_pixel_shuffle_against_loops():
+  """HF's pixel_shuffle (ratio 0.5), worked through its view/permute steps by hand: output token
+  (a, b) of the 2x2 grid holds the 2x2 block of patches at rows 2a, 2a+1 and columns 2b, 2b+1,
+  their channels concatenated in row-major order."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 16, 3)).astype(np.float32)
+  got = np.asarray(vision_lib.pixel_shuffle(x, 0.5))
+  g = x.reshape(2, 4, 4, 3)  # [n, row, column, c]
+  want = np.zeros((2, 2, 2, 12), np.float32)
+  for a in range(2):
+    for b in range(2):
+      want[:, a, b] = np.concatenate([g[:, 2 * a, 2 * b], g[:, 2 * a, 2 * b + 1],
+                                      g[:, 2 * a + 1, 2 * b], g[:, 2 * a + 1, 2 * b + 1]], -1)
+  np.testing.assert_array_equal(got, want.reshape(2, 4, 12))
+
+
+def test_config_errors_name_the_field():
+  with pytest.raises(vision_lib.VisionConfigError, match="intermediate_size"):
+    vision_lib.tiny().replace(intermediate_size=64)
+  with pytest.raises(vision_lib.VisionConfigError, match="multiple of patch_size"):
+    vision_lib.tiny().replace(image_size=50)
+
+
+def test_loader_refuses_a_tower_that_does_not_match(tmp_path):
+  d = tmp_path / "ckpt"
+  shutil.copytree(FIXTURE, d)
+  with open(d / "config.json") as f:
+    raw = json.load(f)
+  cfg = vision_lib.from_hf(raw, dtype="float32").replace(num_hidden_layers=3)
+  with pytest.raises(CheckpointError, match="missing tensors.*layers.2"):
+    hf_vision.load_tower(SafetensorsCheckpoint(str(d)), cfg)
