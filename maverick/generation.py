@@ -27,6 +27,8 @@ from maverick import program_cache
 from maverick import sampling
 from maverick import sharding
 from maverick.model import Llama4
+from maverick.vision import model as vision_lib
+from maverick.vision import preprocess as vision_pre
 
 MIN_BUCKET = 16
 NO_STOP = -1
@@ -46,6 +48,9 @@ class Request:
   max_new_tokens: jax.Array  # [B] int32
   stop_ids: jax.Array  # [B, n] int32, padded with -1
   sampling: sampling.SamplingParams  # per-row parameters and random streams (seeds)
+  # Image prompts: the tiles of every image, in prompt order over the batch (see image_inputs);
+  # None for text. Its tile count is a shape: one compiled program per (buckets, tile count).
+  pixel_values: jax.Array | None = None
 
 
 def prepare(cfg, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
@@ -162,9 +167,79 @@ def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=()):
   B = req.prompt.shape[0]
   cache = sharding.constrain_cache(kvc.KVCache.init(model.config, B, capacity),
                                    sharding.plan_of(model))
+  embeds = None
+  if req.pixel_values is not None:  # the image features replace the <|patch|> embeddings
+    tower = model.vision
+    embeds = vision_lib.merge_features(model.embed_tokens(req.prompt), req.prompt,
+                                       req.prompt_lengths, tower(req.pixel_values),
+                                       tower.config.image_token_id)
   out = model(req.prompt, cache=cache, prefill=True, logits_at=req.prompt_lengths - 1,
-              capture_layers=capture_layers)
+              capture_layers=capture_layers, input_embeds=embeds)
   return out, out.cache.with_lengths(req.prompt_lengths)
+
+
+def image_inputs(model: Llama4, prompts, images, max_tiles: int | None = None):
+  """Host side of image prompts: the pixel values [tiles, 3, S, S] (float32) of `images`, or None.
+
+  `images`: every image of the batch in prompt order (row 0's first), each an HxWx3 / HxW / HxWx4
+  uint8 array, image file bytes or a path (decoded with Pillow), or a
+  `maverick.vision.PreprocessedImage`. The prompts must already hold each image's token layout
+  (`maverick.vision.expand_image_placeholders` on the text, with the tile grids that
+  `maverick.vision.preprocess_image(image, model.vision.config.preprocess(max_tiles))` gives):
+  the number of image tokens is checked against the tiles, and against the model's context."""
+  tower = vision_lib.tower_of(model)
+  if images is None or (isinstance(images, (list, tuple)) and not images):
+    if tower is not None:
+      _check_image_tokens(tower.config, model.config, prompts, 0)
+    return None
+  if tower is None:
+    raise ValueError("images were given but this model has no vision tower (a text-only model or "
+                     "one loaded with vision=False / --text_only): load a multimodal Llama 4 "
+                     "checkpoint with its vision tower, or send text only")
+  if isinstance(images, np.ndarray) and images.ndim == 4:
+    images = list(images)
+  if not isinstance(images, (list, tuple)):
+    images = [images]
+  cfg = tower.config.preprocess(max_tiles)
+  tiles = []
+  for im in images:
+    if not isinstance(im, vision_pre.PreprocessedImage):
+      if isinstance(im, (bytes, bytearray, memoryview, str)) or hasattr(im, "__fspath__"):
+        im = vision_pre.decode_image(im)
+      im = vision_pre.preprocess_image(im, cfg)
+    tiles.append(im.pixel_values)
+  pixels = np.concatenate(tiles).astype(np.float32)
+  _check_image_tokens(tower.config, model.config, prompts, pixels.shape[0])
+  return pixels
+
+
+def _check_image_tokens(vcfg, cfg, prompts, num_tiles: int) -> None:
+  if not len(prompts) or not all(isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
+    return  # malformed prompts: `prepare` says what is wrong with them
+  per_row = [sum(1 for t in p if int(t) == vcfg.image_token_id) for p in prompts]
+  context = cfg.max_position_embeddings
+  for i, n in enumerate(per_row):
+    if n >= context:
+      raise ValueError(f"prompt {i} holds {n} image tokens, more than the model's context of "
+                       f"{context} positions leaves room for (the prompt and one new token): send "
+                       "fewer or smaller images, or lower max_tiles")
+  want = num_tiles * vcfg.patches_per_tile
+  if sum(per_row) != want:
+    raise ValueError(f"the prompts hold {sum(per_row)} image tokens (id {vcfg.image_token_id}) but "
+                     f"the images give {num_tiles} tiles x {vcfg.patches_per_tile} = {want} "
+                     "features: build the prompt with maverick.vision.expand_image_placeholders "
+                     "from these images' tile grids (same max_tiles), one layout per image")
+
+
+def with_images(req: Request, pixels, model) -> Request:
+  """`req` with its pixel values on the model's devices (replicated: the tower is)."""
+  if pixels is None:
+    return req
+  plan = sharding.plan_of(model)
+  if plan is None:
+    return dataclasses.replace(req, pixel_values=jax.device_put(pixels))
+  spec = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
+  return dataclasses.replace(req, pixel_values=sharding.put(pixels, spec))
 
 
 def decode_round(model: Llama4, token, cache, result: sampling.Output, params, stop_ids, stop):
@@ -295,15 +370,16 @@ class Generation:
 def program(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=64,
             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
             seed: int | Sequence[int] = 0, stop_tokens=None, max_cache_len: int | None = None,
-            pad_id: int | None = None, **options):
+            pad_id: int | None = None, images=None, max_tiles: int | None = None, **options):
   """(compiled program, its arguments, compile seconds) of one `generate` call: `generate` runs
   exactly `exe(*args)`, so a benchmark or profiler that calls this measures the same program
   (cache capacity, buckets and kernels included)."""
+  pixels = image_inputs(model, prompts, images, max_tiles)
   req, steps, capacity = prepare(
       model.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
       top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len,
       **options)
-  req = sharding.place_request(req, sharding.plan_of(model))
+  req = with_images(sharding.place_request(req, sharding.plan_of(model)), pixels, model)
   graphdef, state = nnx.split(model)
   capacity = kernels_lib.cache_capacity(capacity, model)
   exe, compile_s = compiled_generate(graphdef, state, req, steps=steps, capacity=capacity,
@@ -314,8 +390,14 @@ def program(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=6
 def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | Sequence[int] = 0, stop_tokens=None, max_cache_len: int | None = None,
-             pad_id: int | None = None, **options) -> Generation:
+             pad_id: int | None = None, images=None, max_tiles: int | None = None,
+             **options) -> Generation:
   """Generates continuations of a batch of token-id prompts in one device call.
+
+  images: for a model with a vision tower, every image of the batch in prompt order; the prompts
+  hold their token layouts (see `image_inputs`). max_tiles: the most local tiles per image
+  (default: the tower config's). The image features replace the embeddings at the image tokens in
+  the prefill; the decode loop is the same as for text.
 
   stop_tokens: one list for all rows or one list per row (default: the config's eos ids).
   seed: one int (row b draws from stream b of it) or one seed per row (a row then samples what a
@@ -327,7 +409,7 @@ def generate(model: Llama4, prompts: Sequence[Sequence[int]], *, max_new_tokens=
   exe, args, compile_s = program(
       model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
       top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len, pad_id=pad_id,
-      **options)
+      images=images, max_tiles=max_tiles, **options)
   start = time.perf_counter()
   tokens, num, lp = exe(*args)
   tokens, num = sharding.to_host(tokens), sharding.to_host(num)

@@ -45,8 +45,11 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
          rules: sharding_lib.Rules = sharding_lib.REPLICATED, seed: int = 0,
          moe_impl: str = "tiles", layout: str = "tp", quant=None,
          kernels: str | None = None, check_finite: bool = True,
-         kv_cache: str | None = None) -> Loaded:
+         kv_cache: str | None = None, vision: bool = False) -> Loaded:
   """Loads a model and its tokenizer.
+
+  vision: for a multimodal Hugging Face directory, also load its vision tower (`model.vision`;
+  `maverick.generate(..., images=...)` then takes images).
 
   check_finite: scan each tensor of a Hugging Face directory for NaN/inf as it is read (an error
   naming the tensor); False skips the scan for a trusted checkpoint.
@@ -75,7 +78,8 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
   `sharding.initialize_distributed`).
   """
   loaded = _load(source, dtype=dtype, mesh=mesh, rules=rules, seed=seed, moe_impl=moe_impl,
-                 layout=layout, quant=quant, check_finite=check_finite, kv_cache=kv_cache)
+                 layout=layout, quant=quant, check_finite=check_finite, kv_cache=kv_cache,
+                 vision=vision)
   if mesh is not None and sharding_lib.plan_of(loaded.model) is None:
     sharding_lib.shard_model(loaded.model, mesh, layout)
   kernels_lib.set_kernels(loaded.model, kernels)
@@ -83,10 +87,13 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
 
 
 def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_finite,
-          kv_cache) -> Loaded:
+          kv_cache, vision=False) -> Loaded:
   if kv_cache is not None and (source in EMBEDDED or source.startswith(RANDOM_PREFIX)):
     raise CheckpointError(f"kv_cache={kv_cache!r} applies to ModelOpt FP8 checkpoints; {source} "
                           "is not one")
+  if vision and (source in EMBEDDED or source.startswith(RANDOM_PREFIX)):
+    raise CheckpointError(f"vision=True needs a multimodal Hugging Face checkpoint; {source} is "
+                          "a text-only model")
   if source in EMBEDDED:
     path = EMBEDDED[source]
     if not store.is_orbax_checkpoint(path):
@@ -119,6 +126,9 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_fi
     raise CheckpointError(f"kv_cache={kv_cache!r} is chosen when a ModelOpt checkpoint is read or "
                           f"converted; {source} is converted already (rerun scripts/convert_hf.py "
                           "with --kv_cache)")
+  if store.is_orbax_checkpoint(source) and vision:
+    raise CheckpointError(f"{source} is a converted checkpoint, which holds the text model only; "
+                          "load the vision tower from the Hugging Face directory (vision=True)")
   if store.is_orbax_checkpoint(source) and mesh is not None:
     model = store.load_orbax_sharded(source, mesh, layout, dtype=dtype, moe_impl=moe_impl)
   elif store.is_orbax_checkpoint(source):
@@ -126,7 +136,7 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_fi
   elif os.path.isfile(os.path.join(source, "config.json")):
     # With a mesh each tensor goes straight into its shards (no device holds a whole tensor).
     model = store.load_hf(source, dtype=dtype, moe_impl=moe_impl, check_finite=check_finite,
-                          kv_cache=kv_cache, mesh=mesh, layout=layout)
+                          kv_cache=kv_cache, mesh=mesh, layout=layout, vision=vision)
   else:
     raise CheckpointError(f"{source} holds neither {store.META_FILE} (converted checkpoint) nor "
                           "config.json (Hugging Face checkpoint)")

@@ -602,7 +602,8 @@ class Llama4(nnx.Module):
 
   def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
-               prefill: bool = False, tree: TreeMask | None = None) -> ForwardOutput:
+               prefill: bool = False, tree: TreeMask | None = None,
+               input_embeds: jax.Array | None = None) -> ForwardOutput:
     """One forward over T new tokens per row.
 
     Without a cache: positions default to arange(T). With a cache: the tokens go to slots
@@ -612,6 +613,8 @@ class Llama4(nnx.Module):
     taken in the same pass. `logits_at` [B]: return logits only at these time indices.
     `tree`: the new tokens form a token tree (speculative verification): they are written at slots
     cache.lengths[b] + t but sit at `positions_bt` and see the cache through the TreeMask.
+    `input_embeds` [B, T, D]: the input rows instead of the embeddings of `tokens_bt` (image
+    prompts: the vision tower's features at the image-token positions, maverick.generation).
     """
     T = tokens_bt.shape[1]
     positions_bt, from_zero = token_positions(tokens_bt, positions_bt, cache, prefill, tree)
@@ -620,7 +623,7 @@ class Llama4(nnx.Module):
     if any(not 0 <= i < L for i in capture):
       raise ValueError(f"capture_layers {capture} outside 0..{L - 1}")
 
-    x = self.embed_tokens(tokens_bt)
+    x = self.embed_tokens(tokens_bt) if input_embeds is None else input_embeds
     h = None  # the next layer's normed input, when a fused site produced it with the residual
     captured = {}
     new_k, new_v, new_scales = [], [], []

@@ -281,7 +281,7 @@ def program(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]]
             k: int = 3, tree: TreeShape | str | None = None, max_new_tokens=64,
             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=0,
             stop_tokens=None, max_cache_len: int | None = None,
-            pad_id: int | None = None, **options):
+            pad_id: int | None = None, images=None, max_tiles: int | None = None, **options):
   """(compiled program, its arguments, compile seconds) of one `generate` call with the same
   arguments: `generate` runs exactly `exe(*args)`, so benchmarks and profilers measure the same
   program (cache capacity rounded for the kernels included)."""
@@ -295,12 +295,13 @@ def program(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]]
     k = check_chain_k(k)
     slack = k + 1  # a verify window may run K+1 positions past the last token
   draft.config.check_target(target.config)
+  pixels = plain.image_inputs(target, prompts, images, max_tiles)
   req, steps, capacity = plain.prepare(
       target.config, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
       top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, max_cache_len=max_cache_len,
       **options)
   capacity = kernels_lib.cache_capacity(capacity + slack, target, draft)
-  req = sharding.place_request(req, sharding.plan_of(target))
+  req = plain.with_images(sharding.place_request(req, sharding.plan_of(target)), pixels, target)
   tgt_graphdef, tgt_state = nnx.split(target)
   dr_graphdef, dr_state = nnx.split(draft)
   exe, compile_s = compiled_spec_generate(
@@ -313,7 +314,8 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
              k: int = 3, tree: TreeShape | str | None = None, max_new_tokens=64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=0,
              stop_tokens=None, max_cache_len: int | None = None,
-             pad_id: int | None = None, **options) -> SpecGeneration:
+             pad_id: int | None = None, images=None, max_tiles: int | None = None,
+             **options) -> SpecGeneration:
   """Speculative generation with an EAGLE-3 draft: same arguments and output as
   `maverick.generate`, plus acceptance statistics. Lossless: greedy output equals plain
   greedy output, and sampled output has the target's distribution.
@@ -321,11 +323,13 @@ def generate(target: Llama4, draft: Eagle3Draft, prompts: Sequence[Sequence[int]
   k: chain drafting, k draft tokens per round. tree: EAGLE-2 dynamic tree drafting instead
   (`TreeShape(depth, topk, nodes)` or "DEPTHxTOPKxNODES"); k is then ignored. seed and options
   (penalties, min_p, min_tokens, logit_bias) as in `maverick.generate`: applied to the target's p
-  and the draft's q alike, so sampling stays lossless."""
+  and the draft's q alike, so sampling stays lossless. images, max_tiles: image prompts, as in
+  `maverick.generate` (the target's prefill reads the image features; the draft reads the target's
+  hidden states there as anywhere)."""
   exe, args, compile_s = program(
       target, draft, prompts, k=k, tree=tree, max_new_tokens=max_new_tokens,
       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens,
-      max_cache_len=max_cache_len, pad_id=pad_id, **options)
+      max_cache_len=max_cache_len, pad_id=pad_id, images=images, max_tiles=max_tiles, **options)
   start = time.perf_counter()
   tokens, num, stats, lp = exe(*args)
   tokens, num = sharding.to_host(tokens), sharding.to_host(num)

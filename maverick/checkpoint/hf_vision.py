@@ -8,6 +8,9 @@ replicated (see maverick/vision/model.py for why): every device receives the who
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +58,20 @@ def weight_map(cfg: vision_lib.VisionConfig) -> dict[str, tuple[tuple, tuple[int
   linear("multi_modal_projector.linear_1", ("projector",), cfg.vision_output_dim,
          cfg.text_hidden_size, False)
   return m
+
+
+def config_of(hf_dir: str, dtype: str) -> vision_lib.VisionConfig | None:
+  """The tower config of a HF checkpoint directory (config.json's vision_config; max_tiles from
+  preprocessor_config.json's max_patches when present), or None for a text-only checkpoint."""
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    cfg = vision_lib.from_hf(json.load(f), dtype=dtype)
+  pre = os.path.join(hf_dir, "preprocessor_config.json")
+  if cfg is not None and os.path.isfile(pre):
+    with open(pre) as f:
+      max_patches = json.load(f).get("max_patches")
+    if isinstance(max_patches, int) and max_patches >= 1:
+      cfg = cfg.replace(max_tiles=max_patches)
+  return cfg
 
 
 def has_tower(ckpt: SafetensorsCheckpoint) -> bool:

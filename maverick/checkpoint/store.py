@@ -30,7 +30,8 @@ from maverick import config as config_lib
 from maverick import model as model_lib
 from maverick import sharding as sharding_lib
 from maverick import weights
-from maverick.checkpoint import hf, hf_fp8, hf_modelopt
+from maverick.vision import model as vision_lib
+from maverick.checkpoint import hf, hf_fp8, hf_modelopt, hf_vision
 from maverick.checkpoint.parts import full_path, part_key, part_of
 from maverick.checkpoint.hf import CheckpointError
 
@@ -345,14 +346,18 @@ def _modelopt(hf_dir: str, ckpt: hf.SafetensorsCheckpoint, activations: str | No
 
 def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles",
             check_finite: bool = True, activations: str | None = None,
-            kv_cache: str | None = None, mesh=None, layout: str = "tp") -> model_lib.Llama4:
+            kv_cache: str | None = None, mesh=None, layout: str = "tp",
+            vision: bool = False) -> model_lib.Llama4:
   """Loads a HF checkpoint directly (no conversion), one tensor at a time; each tensor is checked
   for NaN/inf (`check_finite=False` skips that). `activations`, `kv_cache`: see
   convert_hf_to_orbax.
 
   mesh: each tensor goes straight into its `layout` sharding on the mesh (every device receives
   only its slice; the host holds one tensor at a time) and the model carries the plan. Without a
-  mesh the model is on the default device."""
+  mesh the model is on the default device.
+
+  vision: also load the vision tower of a multimodal checkpoint (`model.vision`, replicated on a
+  mesh; maverick.checkpoint.hf_vision); False reads the text model only, as a text-only import."""
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
   mo = _modelopt(hf_dir, ckpt, activations, kv_cache)
@@ -379,6 +384,12 @@ def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles",
   model = _assemble(cfg, arrays, moe_impl)
   if plan is not None:
     sharding_lib.attach_plan(model, plan)
+  if vision:
+    vcfg = hf_vision.config_of(hf_dir, cfg.dtype)
+    if vcfg is None:
+      raise hf.CheckpointError(f"{hf_dir} has no vision_config: it is a text-only checkpoint; "
+                               "load it with vision=False")
+    vision_lib.attach(model, hf_vision.load_tower(ckpt, vcfg, mesh=mesh))
   return model
 
 

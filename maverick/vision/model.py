@@ -322,6 +322,36 @@ class VisionTower(nnx.Module):
     return feats.reshape(-1, feats.shape[-1])
 
 
+def merge_features(embeds, tokens, lengths, features, image_token_id: int):
+  """embeds [B, T, D] with the rows at image-token positions (``tokens == image_token_id`` before
+  each row's length) replaced by ``features`` [n, D] in row-major order, as HF's ``masked_scatter``
+  over the batch. The caller checks that the positions number exactly n (on the host)."""
+  T = tokens.shape[1]
+  mask = (tokens == image_token_id) & (jnp.arange(T)[None, :] < lengths[:, None])
+  idx = jnp.cumsum(mask.reshape(-1).astype(jnp.int32)).reshape(mask.shape) - 1
+  rows = jnp.take(features, jnp.clip(idx, 0, features.shape[0] - 1), axis=0)
+  return jnp.where(mask[..., None], rows.astype(embeds.dtype), embeds)
+
+
+def attach(model, tower: VisionTower):
+  """Gives a text model (maverick.model.Llama4) its vision tower: ``model.vision``, part of the
+  model's state, so ``maverick.generate(model, prompts, images=...)`` and speculative decoding
+  find it. Returns the model."""
+  if tower.config.text_hidden_size != model.config.hidden_size:
+    raise VisionConfigError(f"the vision tower projects to {tower.config.text_hidden_size} but the "
+                            f"text model is {model.config.hidden_size} wide")
+  if not 0 <= tower.config.image_token_id < model.config.vocab_size:
+    raise VisionConfigError(f"image_token_id {tower.config.image_token_id} is outside the "
+                            f"vocabulary [0, {model.config.vocab_size})")
+  model.vision = tower
+  return model
+
+
+def tower_of(model) -> VisionTower | None:
+  """The model's vision tower, or None for a text-only model."""
+  return getattr(model, "vision", None)
+
+
 def init_tower(cfg: VisionConfig, seed: int = 0) -> VisionTower:
   return VisionTower(cfg, nnx.Rngs(params=seed))
 

@@ -1,0 +1,138 @@
+"""Image prompts end to end against Hugging Face's Llama4ForConditionalGeneration on
+tests/fixtures/hf_llama4_mm_tiny: prompt logits, 20 greedy tokens (maverick.generate), speculative
+decoding, and the bad inputs."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import maverick
+from maverick.checkpoint import store
+from maverick.checkpoint.hf import CheckpointError
+from maverick.vision import model as vision_lib
+from maverick.vision import preprocess
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_llama4_mm_tiny")
+CASES = {"one_image": 1, "two_images": 2}
+PATCH = 503  # the fixture's <|patch|> id
+
+
+@pytest.fixture(scope="module")
+def outputs():
+  return dict(np.load(os.path.join(FIXTURE, "outputs.npz")))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return store.load_hf(FIXTURE, dtype="float32", vision=True)
+
+
+def images_of(case):
+  from PIL import Image
+  return [np.asarray(Image.open(os.path.join(FIXTURE, f"{case}_{k}.png")).convert("RGB"))
+          for k in range(CASES[case])]
+
+
+def rel_err(a, b):
+  return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prompt_logits_match_hf(model, outputs, case):
+  """The whole prompt's logits with the features merged at the <|patch|> positions."""
+  ids = outputs[f"{case}.input_ids"]
+
+  @nnx.jit
+  def forward(model, tokens, pixels):
+    embeds = vision_lib.merge_features(model.embed_tokens(tokens), tokens,
+                                       jnp.full((1,), tokens.shape[1]), model.vision(pixels),
+                                       model.vision.config.image_token_id)
+    return model(tokens, input_embeds=embeds).logits[0]
+
+  logits = forward(model, jnp.asarray(ids[None]), outputs[f"{case}.pixel_values"])
+  assert rel_err(logits, outputs[f"{case}.logits"]) < 1e-4
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_generate_with_images_matches_hf_greedy(model, outputs, case):
+  pytest.importorskip("PIL")
+  out = maverick.generate(model, [outputs[f"{case}.input_ids"].tolist()], images=images_of(case),
+                          max_tiles=4, max_new_tokens=20, stop_tokens=[])
+  assert out.tokens[0] == outputs[f"{case}.greedy"].tolist()
+
+
+def test_batch_of_image_prompts(model, outputs):
+  """Two rows of different lengths and image counts in one call: features are taken in prompt
+  order over the batch (right-padded rows), each row equals HF's run alone."""
+  pytest.importorskip("PIL")
+  prompts = [outputs[f"{c}.input_ids"].tolist() for c in ("two_images", "one_image")]
+  images = images_of("two_images") + images_of("one_image")
+  out = maverick.generate(model, prompts, images=images, max_tiles=4, max_new_tokens=20,
+                          stop_tokens=[])
+  assert out.tokens == [outputs["two_images.greedy"].tolist(), outputs["one_image.greedy"].tolist()]
+
+
+def test_preprocessed_images_are_accepted(model, outputs):
+  """PreprocessedImage inputs (HF's own pixel values here) take the same path as raw arrays."""
+  pv = outputs["one_image.pixel_values"]
+  image = preprocess.PreprocessedImage(pv, (2, 2))
+  out = maverick.generate(model, [outputs["one_image.input_ids"].tolist()], images=[image],
+                          max_new_tokens=20, stop_tokens=[])
+  assert out.tokens[0] == outputs["one_image.greedy"].tolist()
+
+
+@pytest.mark.slow
+def test_speculative_decoding_with_images_equals_greedy(model, outputs):
+  """EAGLE-3 with an image prompt is lossless: the target's prefill reads the features, the draft
+  reads the target's hidden states there as anywhere (a random draft: low acceptance, same text)."""
+  import spec_decode
+  from spec_decode import draft as draft_lib
+  draft = draft_lib.init_draft(draft_lib.Eagle3Config.for_target(model.config), seed=1)
+  prompts = [outputs[f"{c}.input_ids"].tolist() for c in ("one_image", "two_images")]
+  images = images_of("one_image") + images_of("two_images")
+  out = spec_decode.generate(model, draft, prompts, images=images, max_tiles=4, k=3,
+                             max_new_tokens=20, stop_tokens=[])
+  assert out.tokens == [outputs["one_image.greedy"].tolist(), outputs["two_images.greedy"].tolist()]
+
+
+# ---------------------------------------------------------------------------------- bad inputs
+
+
+def test_image_to_a_text_only_model_is_refused(outputs):
+  text_only = store.load_hf(FIXTURE, dtype="float32")
+  assert vision_lib.tower_of(text_only) is None
+  with pytest.raises(ValueError, match="no vision tower"):
+    maverick.generate(text_only, [outputs["one_image.input_ids"].tolist()],
+                      images=[np.zeros((30, 30, 3), np.uint8) + 7], max_new_tokens=2)
+
+
+def test_more_image_tokens_than_the_context_is_refused(model):
+  context = model.config.max_position_embeddings
+  prompt = [1] + [PATCH] * (context + 4)
+  with pytest.raises(ValueError, match=f"{context + 4} image tokens.*context of {context}"):
+    maverick.generate(model, [prompt], images=[np.full((20, 20, 3), 9, np.uint8)],
+                      max_new_tokens=2)
+
+
+def test_image_token_count_must_match_the_images(model, outputs):
+  ids = outputs["one_image.input_ids"].tolist()
+  with pytest.raises(ValueError, match="20 image tokens.*1 tiles x 4 = 4"):
+    maverick.generate(model, [ids], images=[np.full((20, 20, 3), 9, np.uint8)], max_tiles=4,
+                      max_new_tokens=2)
+  with pytest.raises(ValueError, match="20 image tokens.*0 tiles"):
+    maverick.generate(model, [ids], max_new_tokens=2)
+
+
+def test_corrupt_image_bytes_are_refused(model, outputs):
+  pytest.importorskip("PIL")
+  with pytest.raises(preprocess.ImageInputError, match="cannot decode image"):
+    maverick.generate(model, [outputs["one_image.input_ids"].tolist()],
+                      images=[b"\x89PNG not really"], max_new_tokens=2)
+
+
+def test_vision_needs_a_multimodal_checkpoint():
+  with pytest.raises(CheckpointError, match="text-only"):
+    maverick.load("random:tiny", vision=True)
