@@ -66,6 +66,11 @@ _TREE_NODES = flags.DEFINE_integer(
     "tree_nodes", None, "Tree drafting: draft tokens verified per round (>= --tree_depth).")
 _CHAT = flags.DEFINE_bool("chat", False, "Wrap each prompt in the Llama 4 chat template (needs "
                           "the checkpoint's tokenizer.json with the header tokens).")
+_IMAGE = flags.DEFINE_multi_string(
+    "image", None, "An image file (PNG, JPEG, ...; needs Pillow) for a multimodal checkpoint, "
+    "repeatable, with one --prompt: each <|image|> in the prompt marks where an image goes, in "
+    "order (none: the images go before the text, as the chat template puts them). Loads the "
+    "checkpoint's vision tower.")
 _KERNELS = cli.define_kernels_flag()
 _CHECK_FINITE = cli.define_check_finite_flag()
 _KV_CACHE = cli.define_kv_cache_flag()
@@ -93,6 +98,19 @@ def _read_prompts() -> list[str]:
   if not prompts:
     raise ValueError(f"--batch_file {_BATCH_FILE.value} has no prompts (one per line)")
   return prompts
+
+
+def _image_inputs(tok, text: str, paths, vision_cfg, chat: bool):
+  """(prompt ids with the images' token layouts, preprocessed images) for one --prompt."""
+  from maverick import vision
+  images = [vision.preprocess_image(vision.decode_image(p), vision_cfg.preprocess())
+            for p in paths]
+  if vision.IMAGE_TOKEN not in text:
+    text = vision.IMAGE_TOKEN * len(images) + text
+  text = vision.expand_image_placeholders(text, [im.tile_grid for im in images],
+                                          vision_cfg.preprocess())
+  ids = tok.apply_chat_template([{"role": "user", "content": text}]) if chat else tok.encode(text)
+  return ids, images
 
 
 def _tree_shape():
@@ -129,15 +147,23 @@ def _main(argv):
 
   try:
     texts = _read_prompts()
+    paths = _IMAGE.value or []
+    if paths and (_PROMPT.value is None or _STREAM.value):
+      raise ValueError("--image goes with one --prompt (not --batch_file) and without --stream")
     mesh = mesh_flags.mesh_from_flags()
     loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value, mesh=mesh,
                            layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),
-                           check_finite=_CHECK_FINITE.value, kv_cache=_KV_CACHE.value)
+                           check_finite=_CHECK_FINITE.value, kv_cache=_KV_CACHE.value,
+                           vision=bool(paths))
     tok = loaded.tokenizer
     if tok is None:
       raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json; copy the model's tokenizer "
                        "files into the checkpoint directory")
-    if _CHAT.value:
+    images = None
+    if paths:
+      ids, images = _image_inputs(tok, texts[0], paths, loaded.model.vision.config, _CHAT.value)
+      prompts = [ids]
+    elif _CHAT.value:
       prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     else:
       prompts = [tok.encode(t) for t in texts]
@@ -159,6 +185,8 @@ def _main(argv):
     kw = dict(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
               top_p=_TOP_P.value, seed=_SEED.value, stop_tokens=loaded.stop_tokens,
               max_cache_len=_MAX_CACHE_LEN.value)
+    if images is not None:
+      kw["images"] = images
     if _STREAM.value:
       if len(prompts) != 1:
         raise ValueError("--stream prints one prompt's tokens as they come: pass --prompt, not a "
@@ -169,7 +197,7 @@ def _main(argv):
     else:
       out = spec_decode.generate(loaded.model, draft, prompts, k=_SPEC_K.value, tree=tree, **kw)
   except (ValueError, FileNotFoundError, CheckpointError, ConfigError, TokenizerError,
-          DraftConfigError, NotImplementedError, sharding.ShardingError) as e:
+          DraftConfigError, NotImplementedError, sharding.ShardingError, ImportError) as e:
     return cli.fail("generate", e)
 
   stops = set(loaded.stop_tokens)

@@ -136,3 +136,61 @@ def test_corrupt_image_bytes_are_refused(model, outputs):
 def test_vision_needs_a_multimodal_checkpoint():
   with pytest.raises(CheckpointError, match="text-only"):
     maverick.load("random:tiny", vision=True)
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+
+def _word_tokenizer(directory):
+  """A word-level tokenizer.json for the fixture: "w<i>" is id i (0..499), the image special tokens
+  sit at the fixture's ids 500..505; no BOS, no EOS."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(500)}, unk_token="w0"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens([preprocess.IMAGE_START, preprocess.IMAGE_END, preprocess.IMAGE_TOKEN,
+                          preprocess.PATCH_TOKEN, preprocess.TILE_X_SEPARATOR,
+                          preprocess.TILE_Y_SEPARATOR])
+  assert tok.token_to_id(preprocess.PATCH_TOKEN) == PATCH
+  tok.save(str(directory / "tokenizer.json"))
+
+
+def _run_cli(*args):
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, os.path.join(repo, "scripts", "generate.py"), *args],
+                        cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_cli_image_flag_matches_hf(tmp_path, outputs):
+  """scripts/generate.py --image twice: the prompt's <|image|> placeholders expand to the images'
+  layouts (max_tiles from preprocessor_config.json) and the greedy text is HF's."""
+  import json
+  import shutil
+  pytest.importorskip("PIL")
+  d = tmp_path / "mm"
+  shutil.copytree(FIXTURE, d)
+  (d / "preprocessor_config.json").write_text(json.dumps({"max_patches": 4}))
+  _word_tokenizer(d)
+  ids = outputs["two_images.input_ids"].tolist()
+  words = []  # the fixture prompt as text: each image's layout collapses to one <|image|>
+  for t in ids:
+    if t == 502:
+      words.append(preprocess.IMAGE_TOKEN)
+    elif t < 500:
+      words.append(f"w{t}")
+  prompt = " ".join(words)
+  r = _run_cli(f"--checkpoint={d}", f"--prompt={prompt}", "--max_new_tokens=20",
+               "--dtype=float32", "--spec_k=0", f"--image={d / 'two_images_0.png'}",
+               f"--image={d / 'two_images_1.png'}")
+  assert r.returncode == 0, r.stderr
+  assert " ".join(f"w{t}" for t in outputs["two_images.greedy"]) in r.stdout
+
+
+def test_cli_image_needs_one_prompt(tmp_path):
+  batch = tmp_path / "p.txt"
+  batch.write_text("a\nb\n")
+  r = _run_cli("--checkpoint=random:tiny", f"--batch_file={batch}", "--image=x.png")
+  assert r.returncode != 0 and "--image goes with one --prompt" in r.stderr

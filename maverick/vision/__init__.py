@@ -1,6 +1,8 @@
-"""Llama 4 vision: image preprocessing (the vision tower itself is not here yet; issue 30)."""
+"""Llama 4 vision: image preprocessing (here) and the vision tower (maverick.vision.model)."""
 
 from maverick.vision.preprocess import (
+  IMAGE_TOKEN,
+  PATCH_TOKEN,
   ImageInputError,
   PreprocessedImage,
   VisionPreprocessConfig,
@@ -16,6 +18,8 @@ from maverick.vision.preprocess import (
 )
 
 __all__ = [
+  "IMAGE_TOKEN",
+  "PATCH_TOKEN",
   "ImageInputError",
   "PreprocessedImage",
   "VisionPreprocessConfig",
