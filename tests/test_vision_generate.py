@@ -194,3 +194,39 @@ def test_cli_image_needs_one_prompt(tmp_path):
   batch.write_text("a\nb\n")
   r = _run_cli("--checkpoint=random:tiny", f"--batch_file={batch}", "--image=x.png")
   assert r.returncode != 0 and "--image goes with one --prompt" in r.stderr
+
+
+@pytest.mark.slow
+def test_one_program_per_tile_count_without_host_communication(model, outputs):
+  """Other images with the same tile count reuse the compiled program; it has the decode loop on
+  device and no host callback or transfer."""
+  from maverick import generation
+  ids = outputs["one_image.input_ids"].tolist()
+  rng = np.random.default_rng(0)
+  first, second = (rng.integers(0, 256, (70, 60, 3), dtype=np.uint8) for _ in range(2))
+  assert preprocess.preprocess_image(first, model.vision.config.preprocess(4)).tile_grid == (2, 2)
+  maverick.generate(model, [ids], images=[first], max_tiles=4, max_new_tokens=4, stop_tokens=[])
+  again = maverick.generate(model, [ids], images=[second], max_tiles=4, max_new_tokens=4,
+                            stop_tokens=[])
+  assert again.compile_seconds == 0.0
+  hlo = generation._EXECUTABLES.most_recent().as_text()
+  assert "while" in hlo.split("ENTRY")[1]
+  for f in ("xla_ffi_python_cpu_callback", "xla_python_cpu_callback", " send(", " recv(",
+            " infeed(", " outfeed("):
+    assert f not in hlo, f
+
+
+@pytest.mark.slow
+def test_sharded_model_with_images_matches_hf(outputs):
+  """On a mesh the tower is replicated and the pixel values too: the same greedy text."""
+  import jax
+  from maverick import sharding
+  mesh = sharding.make_mesh(data=4, tensor=2)
+  loaded = maverick.load(FIXTURE, dtype="float32", mesh=mesh, vision=True)
+  tower = loaded.model.vision
+  assert tower.patch_embed.weight[...].sharding.is_fully_replicated
+  assert len(tower.patch_embed.weight[...].sharding.device_set) == jax.device_count()
+  prompts = [outputs[f"{c}.input_ids"].tolist() for c in ("one_image", "two_images")]
+  out = maverick.generate(loaded.model, prompts, images=images_of("one_image") + images_of(
+      "two_images"), max_tiles=4, max_new_tokens=20, stop_tokens=[])
+  assert out.tokens == [outputs["one_image.greedy"].tolist(), outputs["two_images.greedy"].tolist()]
