@@ -48,8 +48,8 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
          kv_cache: str | None = None, vision: bool = False) -> Loaded:
   """Loads a model and its tokenizer.
 
-  vision: for a multimodal Hugging Face directory, also load its vision tower (`model.vision`;
-  `maverick.generate(..., images=...)` then takes images).
+  vision: also load the vision tower of a multimodal Hugging Face directory, or of a checkpoint
+  converted with it (`model.vision`; `maverick.generate(..., images=...)` then takes images).
 
   check_finite: scan each tensor of a Hugging Face directory for NaN/inf as it is read (an error
   naming the tensor); False skips the scan for a trusted checkpoint.
@@ -126,13 +126,12 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_fi
     raise CheckpointError(f"kv_cache={kv_cache!r} is chosen when a ModelOpt checkpoint is read or "
                           f"converted; {source} is converted already (rerun scripts/convert_hf.py "
                           "with --kv_cache)")
-  if store.is_orbax_checkpoint(source) and vision:
-    raise CheckpointError(f"{source} is a converted checkpoint, which holds the text model only; "
-                          "load the vision tower from the Hugging Face directory (vision=True)")
   if store.is_orbax_checkpoint(source) and mesh is not None:
-    model = store.load_orbax_sharded(source, mesh, layout, dtype=dtype, moe_impl=moe_impl)
+    model = store.load_orbax_sharded(source, mesh, layout, dtype=dtype, moe_impl=moe_impl,
+                                     vision=vision)
   elif store.is_orbax_checkpoint(source):
-    model = store.load_orbax(source, mesh=mesh, rules=rules, dtype=dtype, moe_impl=moe_impl)
+    model = store.load_orbax(source, mesh=mesh, rules=rules, dtype=dtype, moe_impl=moe_impl,
+                             vision=vision)
   elif os.path.isfile(os.path.join(source, "config.json")):
     # With a mesh each tensor goes straight into its shards (no device holds a whole tensor).
     model = store.load_hf(source, dtype=dtype, moe_impl=moe_impl, check_finite=check_finite,

@@ -2,8 +2,8 @@
 
 Reads config.json and model.safetensors (or sharded model-*.safetensors with
 model.safetensors.index.json) from --hf_dir; both the text-only (Llama4ForCausalLM) and the
-multimodal (Llama4ForConditionalGeneration, `language_model.` keys) layouts are accepted, and
-vision tensors are skipped. FP8 checkpoints (compressed-tensors, fbgemm, NVIDIA ModelOpt) stay FP8.
+multimodal (Llama4ForConditionalGeneration, `language_model.` keys) layouts are accepted; the vision
+tower of a multimodal checkpoint is converted too (stays in its float dtype), unless --text_only. FP8 checkpoints (compressed-tensors, fbgemm, NVIDIA ModelOpt) stay FP8.
 Every tensor name, shape and dtype is checked against config.json before
 anything is written. The output appears at --out_dir only when the conversion succeeds.
 
@@ -40,6 +40,10 @@ _OVERWRITE = flags.DEFINE_bool(
     "Replace --out_dir if it holds a previous maverick checkpoint (any other existing path is "
     "refused).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.")
+_TEXT_ONLY = flags.DEFINE_bool(
+    "text_only", False, "Skip the vision tower of a multimodal checkpoint (vision_model.*, "
+    "multi_modal_projector.*). Default: a checkpoint whose config.json has a vision_config is "
+    "converted with its tower (load it with maverick.load(..., vision=True)).")
 _CHECK_FINITE = cli.define_check_finite_flag()
 _ACTIVATIONS = flags.DEFINE_enum(
     "activations", None, ["static_per_tensor", "dynamic_per_token"],
@@ -81,7 +85,7 @@ def main(argv):
   try:
     out = convert_hf_to_orbax(hf_dir, _OUT_DIR.value, dtype=_DTYPE.value,
                               check_finite=_CHECK_FINITE.value, activations=_ACTIVATIONS.value,
-                              kv_cache=_KV_CACHE.value,
+                              kv_cache=_KV_CACHE.value, vision=_has_vision(hf_dir),
                               overwrite=_OVERWRITE.value, progress=_PROGRESS.value)
   except (CheckpointError, ConfigError, FileExistsError, PermissionError) as e:
     # User mistakes: one line, no traceback. Anything else is a bug and keeps its traceback.
@@ -90,6 +94,17 @@ def main(argv):
     return cli.fail("convert_hf", f"interrupted; nothing was written to {_OUT_DIR.value}")
   print(f"converted {hf_dir} -> {out}")
   return 0
+
+
+def _has_vision(hf_dir: str) -> bool:
+  if _TEXT_ONLY.value:
+    return False
+  import json
+  try:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+      return isinstance(json.load(f).get("vision_config"), dict)
+  except (OSError, ValueError, AttributeError):
+    return False  # the converter reports a missing or malformed config.json itself
 
 
 if __name__ == "__main__":

@@ -115,3 +115,53 @@ def test_loader_refuses_a_tower_that_does_not_match(tmp_path):
   cfg = vision_lib.from_hf(raw, dtype="float32").replace(num_hidden_layers=3)
   with pytest.raises(CheckpointError, match="missing tensors.*layers.2"):
     hf_vision.load_tower(SafetensorsCheckpoint(str(d)), cfg)
+
+
+# ---------------------------------------------------------------------------------- our format
+
+
+def test_converted_checkpoint_keeps_the_tower(tmp_path, tower, outputs):
+  """convert_hf_to_orbax(vision=True) -> load_orbax(vision=True): the same tower (bit-exact to the
+  one read from HF) and HF's features; save_orbax of that model round-trips it; a text-only
+  conversion refuses vision=True."""
+  from maverick.checkpoint import store
+  out = tmp_path / "conv"
+  store.convert_hf_to_orbax(FIXTURE, str(out), dtype="float32", progress=False, vision=True)
+  meta = json.loads((out / "maverick.json").read_text())
+  assert "vision" in meta["parts"] and meta["vision_config"]["hidden_size"] == 32
+  model = store.load_orbax(str(out), vision=True)
+  _same_tower(vision_lib.tower_of(model), tower)
+  got = vision_lib.apply(*nnx.split(model.vision), outputs["two_images.pixel_values"])
+  assert rel_err(got, outputs["two_images.features"]) < 1e-4
+  assert vision_lib.tower_of(store.load_orbax(str(out))) is None  # vision=False: text only
+  saved = tmp_path / "saved"
+  store.save_orbax(model, str(saved))
+  _same_tower(store.load_orbax(str(saved), vision=True).vision, tower)
+  text_only = tmp_path / "text"
+  store.convert_hf_to_orbax(FIXTURE, str(text_only), dtype="float32", progress=False)
+  with pytest.raises(CheckpointError, match="holds no vision tower"):
+    store.load_orbax(str(text_only), vision=True)
+
+
+def _same_tower(a, b):
+  fa, fb = dict(nnx.to_flat_state(nnx.state(a))), dict(nnx.to_flat_state(nnx.state(b)))
+  assert fa.keys() == fb.keys()
+  for k in fa:
+    np.testing.assert_array_equal(np.asarray(fa[k].get_value()), np.asarray(fb[k].get_value()))
+
+
+@pytest.mark.slow
+def test_convert_script_includes_the_tower_unless_text_only(tmp_path):
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = lambda *a: subprocess.run(
+      [sys.executable, os.path.join(repo, "scripts", "convert_hf.py"), f"--hf_dir={FIXTURE}",
+       "--progress=false", *a], cwd=repo, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  for flag, has_tower in (("--notext_only", True), ("--text_only", False)):
+    out = tmp_path / flag
+    r = run(f"--out_dir={out}", flag)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "maverick.json").read_text())
+    assert ("vision" in meta["parts"]) == has_tower == ("vision_config" in meta)

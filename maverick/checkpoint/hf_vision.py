@@ -84,10 +84,9 @@ def _strip(name: str) -> str:
                                                   "model.multi_modal_projector.")) else name
 
 
-def load_tower(ckpt: SafetensorsCheckpoint, cfg: vision_lib.VisionConfig, *,
-               mesh=None) -> vision_lib.VisionTower:
-  """Reads the tower's tensors (shapes checked against `cfg`, names both ways) into a tower, on
-  the default device or replicated over `mesh`."""
+def tower_arrays(ckpt: SafetensorsCheckpoint, cfg: vision_lib.VisionConfig):
+  """(our state path, host array in cfg.dtype) for every tower tensor, read one at a time, after
+  checking every name, shape and dtype against `cfg` from the headers (here, before any read)."""
   wmap = weight_map(cfg)
   stored = {_strip(n): n for n in ckpt.tensors
             if _strip(n).startswith(("vision_model.", "multi_modal_projector."))}
@@ -97,20 +96,33 @@ def load_tower(ckpt: SafetensorsCheckpoint, cfg: vision_lib.VisionConfig, *,
     raise CheckpointError(f"{ckpt.directory}: the vision tower does not match its vision_config: "
                           f"missing tensors {missing[:5]}, unexpected tensors {extra[:5]}; load it "
                           "text-only (vision=False / --text_only) or fix config.json")
-  graphdef, state = nnx.split(vision_lib.abstract_tower(cfg))
-  flat = dict(nnx.to_flat_state(state))
+  for name, (path, shape, _) in wmap.items():
+    info = ckpt.tensors[stored[name]]
+    if tuple(info.shape) != shape:
+      raise CheckpointError(f"{ckpt.directory}: tensor {stored[name]} has shape {tuple(info.shape)}, "
+                            f"the vision_config needs {shape}")
+    if info.dtype not in ("F32", "BF16", "F16"):
+      raise CheckpointError(f"tensor {stored[name]} has dtype {info.dtype}: the vision tower is read "
+                            "in a float dtype (FP8 checkpoints keep it in BF16)")
   dt = jnp.dtype(cfg.dtype)
+  # checked above, read lazily below: one tensor in memory at a time
+  return ((path, np.ascontiguousarray(transform(ckpt.read(stored[name]))).astype(dt))
+          for name, (path, _, transform) in wmap.items())
+
+
+def assemble_tower(cfg: vision_lib.VisionConfig, arrays, *, mesh=None) -> vision_lib.VisionTower:
+  """A tower from {state path: array} (every parameter), on the default device or replicated over
+  `mesh`."""
+  graphdef, state = nnx.split(vision_lib.abstract_tower(cfg))
   place = (jax.device_put if mesh is None else
            lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
-  updated = []
-  for name, (path, shape, transform) in wmap.items():
-    x = ckpt.read(stored[name])
-    if tuple(x.shape) != shape:
-      raise CheckpointError(f"{ckpt.directory}: tensor {stored[name]} has shape {tuple(x.shape)}, "
-                            f"the vision_config needs {shape}")
-    if x.dtype.kind not in "fV" and str(x.dtype) != "bfloat16":
-      raise CheckpointError(f"tensor {stored[name]} has dtype {x.dtype}: the vision tower is read "
-                            "in a float dtype (FP8 checkpoints keep it in BF16)")
-    var = flat[path]
-    updated.append((path, var.replace(value=place(np.asarray(transform(x)).astype(dt)))))
-  return nnx.merge(graphdef, nnx.from_flat_state(updated))
+  flat = [(path, var.replace(value=place(arrays[path])))
+          for path, var in nnx.to_flat_state(state)]
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_tower(ckpt: SafetensorsCheckpoint, cfg: vision_lib.VisionConfig, *,
+               mesh=None) -> vision_lib.VisionTower:
+  """Reads the tower's tensors (shapes checked against `cfg`, names both ways) into a tower, on
+  the default device or replicated over `mesh`."""
+  return assemble_tower(cfg, dict(tower_arrays(ckpt, cfg)), mesh=mesh)

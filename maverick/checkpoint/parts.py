@@ -1,5 +1,5 @@
 """How our checkpoint format splits a model's parameters into parts: one orbax checkpoint per part
-("embed", "layer_000", ..., "head"), each a pytree keyed by the parameter's path inside the part.
+("embed", "layer_000", ..., "head", and "vision" for a vision tower), each a pytree keyed by the parameter's path inside the part.
 Shared by the format's writer and reader (store) and the streaming importers (hf_fp8, ...).
 """
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 
 def part_of(path: tuple) -> str:
+  if path[0] == "vision":  # the vision tower (model.vision), its own part
+    return "vision"
   if path[0] == "layers":
     return f"layer_{int(path[1]):03d}"
   return "embed" if path[0] in ("embed", "embed_scale") else "head"

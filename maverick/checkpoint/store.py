@@ -13,6 +13,7 @@ written to `<out>.tmp-<pid>` and renamed at the end: a failed run leaves no outp
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import shutil
@@ -139,7 +140,8 @@ class AtomicDir:
 
 def _write(out_dir: str, cfg: config_lib.Config,
            parts: Iterable[tuple[str, dict[tuple[str, ...], object]]], *, overwrite: bool,
-           extra_files: Iterable[str] = (), source: str | None = None) -> str:
+           extra_files: Iterable[str] = (), source: str | None = None,
+           vision_config: dict | None = None) -> str:
   names = []
   with AtomicDir(out_dir, overwrite) as tmp:
     # Closed before the rename (also on failure): no orbax thread may still write into `tmp`.
@@ -158,6 +160,8 @@ def _write(out_dir: str, cfg: config_lib.Config,
     for f in extra_files:
       shutil.copy(f, os.path.join(tmp, os.path.basename(f)))
     meta = {"format": FORMAT, "config": cfg.to_dict(), "parts": names, "source": source}
+    if vision_config is not None:  # the "vision" part holds the tower (maverick.vision.model)
+      meta["vision_config"] = vision_config
     with open(os.path.join(tmp, META_FILE), "w") as f:
       json.dump(meta, f, indent=1)
   return os.path.abspath(out_dir)
@@ -198,8 +202,11 @@ def _hf_parts(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, dtype, pro
 def convert_hf_to_orbax(hf_dir: str, out_dir: str, *, dtype: str | None = None,
                         overwrite: bool = False, progress: bool = True,
                         check_finite: bool = True, activations: str | None = None,
-                        kv_cache: str | None = None) -> str:
+                        kv_cache: str | None = None, vision: bool = False) -> str:
   """Converts a HF Llama 4 checkpoint directory (single or sharded safetensors) to our format.
+
+  vision: also convert the vision tower of a multimodal checkpoint (part "vision", its config in
+  maverick.json; `load_orbax(..., vision=True)` reads it); False: the text model only.
 
   Names, shapes and dtypes are all checked from the headers before anything is written; each
   tensor is checked for NaN/inf as it streams through (`check_finite=False` skips that).
@@ -220,10 +227,30 @@ def convert_hf_to_orbax(hf_dir: str, out_dir: str, *, dtype: str | None = None,
   else:
     hf.plan(ckpt, cfg)  # validate everything up front
     parts = _hf_parts(ckpt, cfg, jnp.dtype(cfg.dtype), progress)
+  vcfg = None
+  if vision:
+    vcfg = _vision_config(hf_dir, cfg)
+    tower = hf_vision.tower_arrays(ckpt, vcfg)  # checked now, read after the text parts
+    parts = itertools.chain(parts, _lazy_part("vision", lambda: {
+        part_key(path): host_array(x) for path, x in
+        (((vision_lib.PATH,) + p, x) for p, x in tower)}))
   extra = [os.path.join(hf_dir, f) for f in TOKENIZER_FILES
            if os.path.isfile(os.path.join(hf_dir, f))]
   return _write(out_dir, cfg, parts, overwrite=overwrite, extra_files=extra,
-                source=os.path.abspath(hf_dir))
+                source=os.path.abspath(hf_dir),
+                vision_config=None if vcfg is None else vcfg.to_dict())
+
+
+def _lazy_part(name, build):
+  yield name, build()
+
+
+def _vision_config(hf_dir: str, cfg: config_lib.Config):
+  vcfg = hf_vision.config_of(hf_dir, cfg.dtype)
+  if vcfg is None:
+    raise hf.CheckpointError(f"{hf_dir} has no vision_config: it is a text-only checkpoint; "
+                             "load or convert it text-only (vision=False / --text_only)")
+  return vcfg
 
 
 def save_orbax(model: model_lib.Llama4, out_dir: str, *, overwrite: bool = False,
@@ -233,8 +260,10 @@ def save_orbax(model: model_lib.Llama4, out_dir: str, *, overwrite: bool = False
   by_part: dict[str, dict] = {}
   for path, var in nnx.to_flat_state(state):
     by_part.setdefault(part_of(path), {})[part_key(path)] = var.get_value()
+  tower = vision_lib.tower_of(model)
   return _write(out_dir, model.config, by_part.items(), overwrite=overwrite,
-                extra_files=extra_files)
+                extra_files=extra_files,
+                vision_config=None if tower is None else tower.config.to_dict())
 
 
 def is_orbax_checkpoint(path: str) -> bool:
@@ -281,8 +310,10 @@ def _assemble(cfg: config_lib.Config, arrays: Mapping[tuple, jax.Array],
 
 
 def load_orbax(path: str, *, mesh=None, rules: sharding_lib.Rules = sharding_lib.REPLICATED,
-               dtype: str | None = None, moe_impl: str = "tiles") -> model_lib.Llama4:
-  """Restores a checkpoint part by part straight into the target shardings."""
+               dtype: str | None = None, moe_impl: str = "tiles",
+               vision: bool = False) -> model_lib.Llama4:
+  """Restores a checkpoint part by part straight into the target shardings. vision: also its
+  vision tower (replicated on a mesh), which the conversion must have included."""
   meta = read_meta(path)
   cfg = config_lib.Config.from_dict(meta["config"])
   if dtype is not None:
@@ -307,8 +338,38 @@ def load_orbax(path: str, *, mesh=None, rules: sharding_lib.Rules = sharding_lib
     for key, value in restored.items():
       arrays[("layers", int(part[6:])) + tuple(key) if part.startswith("layer_")
              else tuple(key)] = value
+  if vision:
+    arrays.update(_restore_tower(path, meta, ckptr, dtype, mesh))
   ckptr.close()
-  return _assemble(cfg, {p: arrays[p] for p in weights.param_paths(cfg)}, moe_impl)
+  model = _assemble(cfg, {p: arrays[p] for p in weights.param_paths(cfg)}, moe_impl)
+  if vision:
+    vcfg = _stored_vision_config(path, meta, dtype)
+    vision_lib.attach(model, hf_vision.assemble_tower(
+        vcfg, {p[1:]: arrays[p] for p in arrays if p[0] == vision_lib.PATH}))
+  return model
+
+
+def _stored_vision_config(path: str, meta: dict, dtype: str | None):
+  if "vision_config" not in meta or "vision" not in meta["parts"]:
+    raise CheckpointError(f"{path} holds no vision tower (converted text-only); convert the HF "
+                          "checkpoint again without --text_only, or load the HF directory")
+  vcfg = vision_lib.VisionConfig.from_dict(meta["vision_config"])
+  return vcfg if dtype is None else vcfg.replace(dtype=dtype)
+
+
+def _restore_tower(path: str, meta: dict, ckptr, dtype: str | None, mesh):
+  """{("vision", ...): array} of the stored tower, replicated over `mesh` when given."""
+  vcfg = _stored_vision_config(path, meta, dtype)
+  sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else
+              jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  target = {}
+  for p, var in nnx.to_flat_state(nnx.split(vision_lib.abstract_tower(vcfg))[1]):
+    sds = var.get_value()
+    target[part_key((vision_lib.PATH,) + p)] = jax.ShapeDtypeStruct(sds.shape, sds.dtype,
+                                                                   sharding=sharding)
+  restored = _flatten(ckptr.restore(os.path.join(path, "params", "vision"), _nest(target)))
+  return {tuple(k[:1]) + tuple(int(x) if x.isdigit() else x for x in k[1:]): v
+          for k, v in restored.items()}
 
 
 def iter_orbax_parts(path: str, cfg: config_lib.Config | None = None):
@@ -322,6 +383,8 @@ def iter_orbax_parts(path: str, cfg: config_lib.Config | None = None):
   ckptr = ocp.StandardCheckpointer()
   try:
     for part in meta["parts"]:
+      if part == "vision":  # the vision tower: not a part of the text model these tools rewrite
+        continue
       if part not in targets:
         raise CheckpointError(f"{path}: part {part} does not belong to its config")
       part_dir = os.path.join(path, "params", part)
@@ -385,21 +448,18 @@ def load_hf(hf_dir: str, *, dtype: str | None = None, moe_impl: str = "tiles",
   if plan is not None:
     sharding_lib.attach_plan(model, plan)
   if vision:
-    vcfg = hf_vision.config_of(hf_dir, cfg.dtype)
-    if vcfg is None:
-      raise hf.CheckpointError(f"{hf_dir} has no vision_config: it is a text-only checkpoint; "
-                               "load it with vision=False")
-    vision_lib.attach(model, hf_vision.load_tower(ckpt, vcfg, mesh=mesh))
+    vision_lib.attach(model, hf_vision.load_tower(ckpt, _vision_config(hf_dir, cfg), mesh=mesh))
   return model
 
 
 def load_orbax_sharded(path: str, mesh, layout: str = "tp", *, dtype: str | None = None,
-                       moe_impl: str = "tiles") -> model_lib.Llama4:
+                       moe_impl: str = "tiles", vision: bool = False) -> model_lib.Llama4:
   """Restores straight into the layout's shardings on `mesh` (a global mesh across processes after
   `sharding.initialize_distributed`: each process reads only its shards) and attaches the plan."""
   cfg = config_lib.Config.from_dict(read_meta(path)["config"])
   plan = sharding_lib.Plan(mesh, layout)
   sharding_lib.check_model_fits(cfg.replace(dtype=dtype) if dtype else cfg, plan)
-  model = load_orbax(path, mesh=mesh, rules=plan.rules, dtype=dtype, moe_impl=moe_impl)
+  model = load_orbax(path, mesh=mesh, rules=plan.rules, dtype=dtype, moe_impl=moe_impl,
+                     vision=vision)
   sharding_lib.attach_plan(model, plan)
   return model

@@ -333,6 +333,9 @@ def merge_features(embeds, tokens, lengths, features, image_token_id: int):
   return jnp.where(mask[..., None], rows.astype(embeds.dtype), embeds)
 
 
+PATH = "vision"  # the tower's attribute on the text model, and its checkpoint part
+
+
 def attach(model, tower: VisionTower):
   """Gives a text model (maverick.model.Llama4) its vision tower: ``model.vision``, part of the
   model's state, so ``maverick.generate(model, prompts, images=...)`` and speculative decoding
@@ -343,13 +346,13 @@ def attach(model, tower: VisionTower):
   if not 0 <= tower.config.image_token_id < model.config.vocab_size:
     raise VisionConfigError(f"image_token_id {tower.config.image_token_id} is outside the "
                             f"vocabulary [0, {model.config.vocab_size})")
-  model.vision = tower
+  setattr(model, PATH, tower)
   return model
 
 
 def tower_of(model) -> VisionTower | None:
   """The model's vision tower, or None for a text-only model."""
-  return getattr(model, "vision", None)
+  return getattr(model, PATH, None)
 
 
 def init_tower(cfg: VisionConfig, seed: int = 0) -> VisionTower:
