@@ -43,6 +43,7 @@ from maverick import sampling
 from maverick import sharding
 from maverick.config import Config
 from maverick.quant import config as quant_config
+from maverick.vision import model as vision_lib
 from spec_decode import draft as draft_lib
 from spec_decode import speculative
 from spec_decode.verify import Candidates, chain_parents, verify_chain
@@ -299,6 +300,19 @@ def plan_spec_round(cfg: Config, plan: sharding.Plan, *, batch: int, context: in
   weights = _state_bytes(ts) + _tree_bytes(tscales) + _state_bytes(ds)
   return _report("speculative round", compiled, weights, _tree_bytes(cache) + _tree_bytes(dcache),
                  static_scale_bytes(tscales, quant))
+
+
+def plan_vision_prefill(vcfg, plan: sharding.Plan, *, tiles: int) -> Report:
+  """The vision tower over `tiles` tiles (all of a prefill's images): its weights (replicated on
+  every device, maverick/vision/model.py) and the temporaries of its forward. The tower runs
+  inside the image prefill, so these weights add to the decode step's on each device and its
+  temporaries come on top of the text prefill's only while the features are made."""
+  graphdef, state, _ = abstract_state(vision_lib.abstract_tower(vcfg), plan, "bf16")
+  pixels = jax.ShapeDtypeStruct((tiles, vcfg.num_channels, vcfg.image_size, vcfg.image_size),
+                                jnp.float32, sharding=NamedSharding(plan.mesh, PartitionSpec()))
+  run = lambda state, pixels: nnx.merge(graphdef, state)(pixels)
+  compiled = jax.jit(run).lower(state, pixels).compile()
+  return _report(f"vision ({tiles} tiles)", compiled, _state_bytes(state), 0)
 
 
 def format_reports(title: str, reports, hbm=DEVICES_HBM) -> str:

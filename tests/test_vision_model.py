@@ -165,3 +165,28 @@ def test_convert_script_includes_the_tower_unless_text_only(tmp_path):
     assert r.returncode == 0, r.stderr
     meta = json.loads((out / "maverick.json").read_text())
     assert ("vision" in meta["parts"]) == has_tower == ("vision_config" in meta)
+
+
+def test_memory_plan_counts_the_replicated_tower():
+  """plan_vision_prefill: every device holds the whole tower (its bytes from the HF tensors'
+  sizes), plus the forward's temporaries."""
+  import jax
+  from maverick import memory_plan, sharding
+  ckpt = SafetensorsCheckpoint(FIXTURE)
+  n = sum(int(np.prod(t.shape)) for name, t in ckpt.tensors.items()
+          if name.startswith(("vision_model.", "multi_modal_projector.")))
+  plan = sharding.Plan(sharding.make_mesh(data=4, tensor=2), "tp")
+  assert jax.device_count() == 8
+  r = memory_plan.plan_vision_prefill(vision_lib.tiny(), plan, tiles=5)
+  assert r.weight_bytes == 4 * n and r.temp_bytes > 0
+
+
+def test_maverick_tower_size():
+  """The maverick() preset's parameter count, from the published shapes (hidden 1408, 34 layers,
+  MLP 5632, 336 px / 14 px tiles, adapter 5632 -> 4096 -> 4096, projector 4096 -> 5120)."""
+  D, F, L, P = 1408, 5632, 34, (336 // 14) ** 2
+  layer = 4 * (D * D + D) + (D * F + F) + (F * D + D) + 4 * D
+  want = 3 * 14 * 14 * D + D + (P + 1) * D + 4 * D + L * layer + F * 4096 + 4096 * 4096 + 4096 * 5120
+  _, state = nnx.split(vision_lib.abstract_tower(vision_lib.maverick()))
+  got = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(state))
+  assert got == want

@@ -14,7 +14,7 @@ The 2D RoPE rotates interleaved pairs like the text RoPE (``maverick.model.rotat
 half of the head's pairs by (the patch's column + 1) * f, the second half by (its row + 1) * f, with
 head_dim / 4 frequencies f (HF keeps ``[..., ::2]`` of the repeat-interleaved x and y frequencies);
 the class token is not rotated. The tower's weights are replicated on a mesh: it is small (about
-0.8 B parameters for Maverick, next to 400 B of experts), runs once per image in the prefill, and
+0.87 B parameters, 1.7 GB in bf16, for Maverick, next to 400 B of experts), runs once per image in the prefill, and
 replication needs no collective there; its logical axes are all None, so every layout replicates it.
 """
 
