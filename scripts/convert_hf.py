@@ -3,9 +3,10 @@
 Reads config.json and model.safetensors (or sharded model-*.safetensors with
 model.safetensors.index.json) from --hf_dir; both the text-only (Llama4ForCausalLM) and the
 multimodal (Llama4ForConditionalGeneration, `language_model.` keys) layouts are accepted; the vision
-tower of a multimodal checkpoint is converted too (stays in its float dtype), unless --text_only. FP8 checkpoints (compressed-tensors, fbgemm, NVIDIA ModelOpt) stay FP8.
-Every tensor name, shape and dtype is checked against config.json before
-anything is written. The output appears at --out_dir only when the conversion succeeds.
+tower of a multimodal checkpoint is converted too (in the model dtype, never FP8), unless --text_only.
+FP8 checkpoints (compressed-tensors, fbgemm, NVIDIA ModelOpt) stay FP8. Every tensor name, shape and
+dtype is checked against config.json before anything is written. The output appears at --out_dir
+only when the conversion succeeds.
 
 Usage:
   python scripts/convert_hf.py --hf_dir=/ckpt/Llama-4-Scout-17B-16E-Instruct --out_dir=/ckpt/scout

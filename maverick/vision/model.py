@@ -10,12 +10,13 @@ replace the embeddings at the prompt's ``<|patch|>`` positions (in order). Per t
 4. LayerNorm, drop the class token, pixel shuffle (ratio 0.5: 2x2 neighbouring patches become one
    token of 4x the width), the adapter MLP (fc1, GELU, fc2, GELU; no biases), the projector.
 
-The 2D RoPE rotates interleaved pairs like the text RoPE (``maverick.model.rotate_pairs``): the first
-half of the head's pairs by (the patch's column + 1) * f, the second half by (its row + 1) * f, with
-head_dim / 4 frequencies f (HF keeps ``[..., ::2]`` of the repeat-interleaved x and y frequencies);
-the class token is not rotated. The tower's weights are replicated on a mesh: it is small (about
-0.87 B parameters, 1.7 GB in bf16, for Maverick, next to 400 B of experts), runs once per image in the prefill, and
-replication needs no collective there; its logical axes are all None, so every layout replicates it.
+The 2D RoPE rotates interleaved pairs like the text RoPE (``maverick.model.rotate_pairs``): the
+first half of the head's pairs by (the patch's column + 1) * f, the second half by (its row + 1) *
+f, with head_dim / 4 frequencies f (HF keeps ``[..., ::2]`` of the repeat-interleaved x and y
+frequencies); the class token is not rotated. The tower's weights are replicated on a mesh: it is
+small (about 0.87 B parameters, 1.7 GB in bf16, for Maverick, next to 400 B of experts), runs once
+per image in the prefill, and replication needs no collective there; its logical axes are all None,
+so every layout replicates it.
 """
 
 from __future__ import annotations
