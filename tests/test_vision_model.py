@@ -192,33 +192,44 @@ def test_maverick_tower_size():
   assert got == want
 
 
-def test_modelopt_fp8_multimodal_checkpoint_gives_the_bf16_features(tmp_path, hf_fixture_dir,
-                                                                     outputs):
-  """A ModelOpt FP8 multimodal checkpoint (text part FP8, tower BF16 as NVIDIA exports it):
-  load_hf(vision=True) gives the features of its BF16 source's tower, bit for bit."""
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_fp8_multimodal_checkpoint_gives_the_bf16_features(tmp_path, hf_fixture_dir, outputs, fmt):
+  """FP8 multimodal checkpoints, text part FP8 and tower BF16 as NVIDIA (ModelOpt) and Meta
+  (compressed-tensors, the official Maverick FP8) export them: load_hf(vision=True) gives the
+  features of the BF16 source's tower, bit for bit."""
   import ml_dtypes
   from safetensors.numpy import load_file, save_file
+  from test_fp8_checkpoint import COMPRESSED, compressed_tensors_layout
   from test_modelopt_checkpoint import MM_EXCLUDE, _quant_config, modelopt_layout
   from maverick.checkpoint import store
   text_cfg = json.loads((hf_fixture_dir / "config.json").read_text())
   text = load_file(str(hf_fixture_dir / "model.safetensors"))
-  calib = np.random.default_rng(0).integers(0, text_cfg["vocab_size"], (2, 16))
-  stored = modelopt_layout(text, text_cfg, calib)[0]
   with open(os.path.join(FIXTURE, "config.json")) as f:
-    mm_cfg = json.load(f)
+    cfg = dict(json.load(f), text_config=text_cfg)
+  quant_file = None
+  if fmt == "modelopt":
+    calib = np.random.default_rng(0).integers(0, text_cfg["vocab_size"], (2, 16))
+    stored, quant_file = modelopt_layout(text, text_cfg, calib)[0], _quant_config(MM_EXCLUDE)
+  else:
+    stored = compressed_tensors_layout(text)[0]
+    cfg["quantization_config"] = dict(COMPRESSED, ignore=COMPRESSED["ignore"] + [
+        "re:.*vision_model.*", "re:.*multi_modal_projector.*"])
   vision = {k: v.astype(ml_dtypes.bfloat16)
             for k, v in load_file(os.path.join(FIXTURE, "model.safetensors")).items()
             if k.startswith(("vision_model.", "multi_modal_projector."))}
-  cfg = dict(mm_cfg, text_config=text_cfg)
-  for d, tensors, quant in (("fp8", {"language_model." + k: v for k, v in stored.items()},
-                             _quant_config(MM_EXCLUDE)),
-                            ("bf16", {"language_model." + k: v for k, v in text.items()}, None)):
-    (tmp_path / d).mkdir()
-    (tmp_path / d / "config.json").write_text(json.dumps(cfg))
-    if quant:
-      (tmp_path / d / "hf_quant_config.json").write_text(json.dumps(quant))
-    save_file(tensors | vision, str(tmp_path / d / "model.safetensors"))
-  fp8 = store.load_hf(str(tmp_path / "fp8"), dtype="float32", vision=True, kv_cache="fp8")
+  (tmp_path / "fp8").mkdir()
+  (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+  if quant_file:
+    (tmp_path / "fp8" / "hf_quant_config.json").write_text(json.dumps(quant_file))
+  save_file({"language_model." + k: v for k, v in stored.items()} | vision,
+            str(tmp_path / "fp8" / "model.safetensors"))
+  (tmp_path / "bf16").mkdir()
+  (tmp_path / "bf16" / "config.json").write_text(json.dumps(
+      {k: v for k, v in cfg.items() if k != "quantization_config"}))
+  save_file({"language_model." + k: v for k, v in text.items()} | vision,
+            str(tmp_path / "bf16" / "model.safetensors"))
+  kw = {"kv_cache": "fp8"} if fmt == "modelopt" else {}
+  fp8 = store.load_hf(str(tmp_path / "fp8"), dtype="float32", vision=True, **kw)
   assert fp8.config.quant is not None
   bf16 = store.load_hf(str(tmp_path / "bf16"), dtype="float32", vision=True)
   pv = outputs["two_images.pixel_values"]
