@@ -56,6 +56,10 @@ _SPEC_K = flags.DEFINE_integer("spec_k", 3, "Draft tokens per speculative round 
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(cli.DTYPE_CHOICES),
                            "Model (activation, KV, non-quantized) dtype.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the numbers to this JSON file.")
+_VISION_TILES = flags.DEFINE_integer(
+    "vision_tiles", 0, "Also plan the vision tower (replicated on every device) over this many "
+    "image tiles of one prefill (Maverick: up to 17 per image); 0: text only. Needs a preset with a "
+    "tower (maverick, scout, tiny) or a multimodal config.json.")
 _SERVING = flags.DEFINE_bool(
     "serving", False, "Serving view instead of the compiled programs: concurrent requests per "
     "device (B200, H200) for bf16 and fp8 KV under three layouts: contiguous rows of --context "
@@ -82,6 +86,25 @@ def _config():
     return config_lib.from_hf(name, dtype=_DTYPE.value)
   raise cli.UsageError(f"--config {name!r} is neither a preset ({', '.join(config_lib.PRESETS)}) "
                        "nor a Hugging Face config path")
+
+
+def _vision_config():
+  import json
+
+  from maverick.vision import model as vision_lib
+  name = _CONFIG.value
+  vcfg = None
+  if name in ("maverick", "scout"):
+    vcfg = vision_lib.maverick()  # the same published tower
+  elif name == "tiny":
+    vcfg = vision_lib.tiny()
+  elif os.path.exists(name):
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    with open(path) as f:
+      vcfg = vision_lib.from_hf(json.load(f))
+  if vcfg is None:
+    raise cli.UsageError(f"--vision_tiles: --config {name!r} has no vision tower")
+  return vcfg.replace(dtype=_DTYPE.value)
 
 
 # Fake CPU devices take XLA's CPU client long to make (4096: 20 s, 100000: over 5 minutes) and no
@@ -164,6 +187,9 @@ def run(cfg, sizes: dict[str, int]) -> str:
   if _SPEC_K.value:
     reports.append(memory_plan.plan_spec_round(cfg, plan, k=_SPEC_K.value,
                                                draft_config=memory_plan.nvidia_eagle3(cfg), **kw))
+  if _VISION_TILES.value:
+    reports.append(memory_plan.plan_vision_prefill(_vision_config(), plan,
+                                                   tiles=_VISION_TILES.value))
   mesh_desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
   kv_desc = cfg.dtype if kv_cache == "none" else kv_cache
   title = (f"{_CONFIG.value} {_QUANT.value}, KV cache {kv_desc}, layout {_LAYOUT.value} "
@@ -229,6 +255,9 @@ def run_serving(cfg, sizes: dict[str, int]) -> str:
   blocks = memory_plan.expected_blocks(prompts, lengths, slack=slack, block=_BLOCK.value)
   local = memory_plan.expected_blocks(prompts, lengths, slack=slack, block=_BLOCK.value,
                                       chunk=cfg.attention_chunk_size)
+  if _VISION_TILES.value:
+    reports.append(memory_plan.plan_vision_prefill(_vision_config(), plan,
+                                                   tiles=_VISION_TILES.value))
   mesh_desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
   draft = f"EAGLE-3 K={_SPEC_K.value}" if _SPEC_K.value else "no draft"
   title = (f"SERVING PLAN (no engine pages its KV cache yet): {_CONFIG.value} {_QUANT.value}, "

@@ -90,14 +90,16 @@ def _run(*args):
 def test_script_reduced_config(tmp_path):
   out = tmp_path / "plan.json"
   p = _run("--config", "tiny", "--mesh", "2", "--data", "2", "--quant", "fp8", "--context",
-           "512", "--batch", "4", "--spec_k", "2", "--json_out", str(out))
+           "512", "--batch", "4", "--spec_k", "2", "--json_out", str(out), "--vision_tiles", "5")
   assert p.returncode == 0, p.stderr[-2000:]
   assert "decode step" in p.stdout and "speculative round" in p.stdout
   assert "fits B200 (180 GB)" in p.stdout and "fits H200 (141 GB)" in p.stdout
   data = json.loads(out.read_text())
   assert data["mesh"] == {"data": 2, "expert": 1, "tensor": 2}
-  assert [r["name"] for r in data["reports"]] == ["decode step", "speculative round"]
-  assert all(r["total_bytes"] > r["kv_bytes"] > 0 for r in data["reports"])
+  assert [r["name"] for r in data["reports"]] == ["decode step", "speculative round",
+                                                   "vision (5 tiles)"]
+  assert all(r["total_bytes"] > r["kv_bytes"] > 0 for r in data["reports"][:2])
+  assert data["reports"][2]["weight_bytes"] > 0 == data["reports"][2]["kv_bytes"]
 
 
 @pytest.mark.slow
