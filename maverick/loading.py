@@ -14,6 +14,7 @@ from maverick import tokenizer as tokenizer_lib
 from maverick.checkpoint import store
 from maverick.checkpoint.hf import CheckpointError
 from maverick.quant import convert as quant_convert
+from maverick.vision import model as vision_lib
 
 RANDOM_PREFIX = "random:"
 # Models shipped inside the package: name -> directory in our checkpoint format.
@@ -145,4 +146,7 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_fi
 def _quantized(model, quant, moe_impl):
   if quant is None:
     return model
-  return quant_convert.quantize_model(model, quant, moe_impl=moe_impl)
+  tower = vision_lib.tower_of(model)
+  quantized = quant_convert.quantize_model(model, quant, moe_impl=moe_impl)
+  # the text model is rebuilt quantized; the vision tower stays as loaded (never FP8)
+  return quantized if tower is None else vision_lib.attach(quantized, tower)

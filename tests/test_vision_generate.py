@@ -230,3 +230,14 @@ def test_sharded_model_with_images_matches_hf(outputs):
   out = maverick.generate(loaded.model, prompts, images=images_of("one_image") + images_of(
       "two_images"), max_tiles=4, max_new_tokens=20, stop_tokens=[])
   assert out.tokens == [outputs["one_image.greedy"].tolist(), outputs["two_images.greedy"].tolist()]
+
+
+def test_quantized_load_keeps_the_tower(outputs):
+  """maverick.load(..., quant=FP8, vision=True): the text model is quantized, the tower is the
+  one loaded (not FP8) and still gives HF's features."""
+  from maverick import quant
+  loaded = maverick.load(FIXTURE, dtype="float32", vision=True, quant=quant.QuantConfig())
+  assert loaded.model.config.quant is not None
+  assert loaded.model.vision.patch_embed.weight[...].dtype == jnp.float32
+  got = loaded.model.vision(outputs["one_image.pixel_values"])
+  assert rel_err(got, outputs["one_image.features"]) < 1e-4
