@@ -1,10 +1,11 @@
 """Reproducible seeds through the OpenAI server (issue 28's acceptance): the same seeded, sampled
 request gives the same text and token ids sent alone and sent among 31 other concurrent requests
 (other prompts, seeds, greedy rows, penalties, chat, streaming, stop strings), with plain decoding,
-K=3 and a tree. The real engine (embedded model + draft) serves on a uvicorn socket in this
-process; the official `openai` client sends the request when it is installed. The engine-level
-version of this test is in test_sampling_options.py; the fast test here checks the HTTP layer's
-part with test_serving_http's stub engine."""
+K=3 and a tree; and echo's prompt logprobs equal a full-sequence forward's. The real engine
+(embedded model + draft) serves on a uvicorn socket in this process; the official `openai` client
+sends the request when it is installed. The engine-level version of this test is in
+test_sampling_options.py; the fast test here checks the HTTP layer's part with
+test_serving_http's stub engine."""
 
 import concurrent.futures
 import contextlib
@@ -12,8 +13,10 @@ import socket
 import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -22,6 +25,7 @@ pytest.importorskip("prometheus_client")
 
 import maverick  # noqa: E402
 import spec_decode  # noqa: E402
+from maverick import model as model_lib  # noqa: E402
 from maverick.serving import Engine  # noqa: E402
 from maverick.serving.server import Server, create_app  # noqa: E402
 from test_serving_http import _post, app_server  # noqa: E402
@@ -155,11 +159,33 @@ def test_a_seeded_request_alone_and_among_31_others_over_http(loaded, shape):
     mixed = _mixed(base, server, lambda: _mine(base, via_openai=openai is not None))
     steps_32 = engine.steps_by_batch[32]
     again = _mine(base, via_openai=openai is not None)  # alone once more, after the batch
+    if shape == "plain":  # this engine also answers the echo check (no other compile)
+      echo = httpx.post(f"{base}/v1/completions", timeout=WAIT_S, json={
+          "prompt": MINE["prompt"], "max_tokens": 1, "echo": True, "logprobs": 2,
+          "temperature": 0.0}).json()["choices"][0]["logprobs"]
+  if shape == "plain":
+    _check_echo_against_a_forward(loaded, echo)
   assert steps_1 > 0 and steps_32 > 0, engine.steps_by_batch
   assert engine.steps_by_batch[1] > steps_1  # `again` ran alone
   assert len(alone[1]) == MAX_TOKENS and alone[1] != greedy
   assert mixed == alone, shape
   assert again == alone, shape
+
+
+def _check_echo_against_a_forward(loaded, lp):
+  """echo + logprobs=2: the prompt's token logprobs and their top-2 values equal a float64
+  log-softmax of one full-sequence forward's f32 logits (the raw model distribution)."""
+  ids = loaded.tokenizer.encode(MINE["prompt"])
+  logits = model_lib.apply(*nnx.split(loaded.model), jnp.asarray([ids])).logits[0]
+  x = np.asarray(logits, np.float64)
+  want = x - x.max(-1, keepdims=True)
+  want -= np.log(np.exp(want).sum(-1, keepdims=True))
+  assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids) + 1
+  got = lp["token_logprobs"][1:len(ids)]
+  np.testing.assert_allclose(got, [want[t - 1, ids[t]] for t in range(1, len(ids))], atol=1e-4)
+  for t in range(1, len(ids)):
+    top = sorted(lp["top_logprobs"][t].values(), reverse=True)[:2]
+    np.testing.assert_allclose(top, np.sort(want[t - 1])[::-1][:2], atol=1e-4)
 
 
 def test_the_server_hands_the_engine_the_same_request_alone_and_among_others(app_server):
