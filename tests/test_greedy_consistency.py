@@ -63,8 +63,9 @@ def test_errors_stop_after_the_first_divergence():
   logprobs = [[(0.0, [(4, -0.5), (9, -1.0)])] * 3,
               [(0.0, [(5, 0.0), (1, -2.0)]), (0.0, [(2, 0.0), (6, -0.25)]),
                (0.0, [(8, 0.0), (7, -9.0)])]]
-  got = gc.errors(forward, [(tokens, logprobs)], reference)
+  got, where = gc.errors(forward, [(tokens, logprobs)], reference)
   np.testing.assert_allclose(got, [0.5, 0.5, 0.5, 1.0, 0.5])
+  assert where == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1)]
 
 
 def test_prompt_set_is_fixed():
@@ -90,6 +91,7 @@ def test_a_small_run_writes_json_and_markdown(tmp_path):
     assert p["rows"] == 3 and p["differ"] == len(p["differences"])
     for d in p["differences"]:
       assert d["near_tie"] == (d["gap"] <= run["bound"]) and 0 <= d["step"] < 6
+      assert d["within_p99"] == (d["gap"] <= run["errors_p99"])
   md = (tmp_path / "greedy_consistency.md").read_text()
   assert "float32" in md and "| k3 vs plain_bN |" in md
   assert os.path.getsize(tmp_path / "greedy_consistency.json") > 0
