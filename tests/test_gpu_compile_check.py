@@ -89,6 +89,49 @@ ptxas info    : Used 255 registers
                                    "spill_store_bytes": 24}
 
 
+# As ptxas printed it for the B200 decode-attention kernel before its fix (MOSAIC_GPU_DUMP_PTXAS:
+# relocatable code, so the spill is repeated in a warning and setmaxnreg is ignored), then a
+# kernel without either.
+PTXAS_B200 = """ptxas info    : (C7504) Potential Performance Loss: 'setmaxnreg' ignored to maintain compatibility across compilation units.
+ptxas warning : Registers are spilled to local memory in function 'body_mosaic_gpu_kernel', 108 bytes spill stores, 80 bytes spill loads
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'body_mosaic_gpu_kernel' for 'sm_100a'
+ptxas info    : Function properties for body_mosaic_gpu_kernel
+ptxas         .     56 bytes stack frame, 108 bytes spill stores, 80 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 17 bytes smem
+info    : Function properties for 'body_mosaic_gpu_kernel':
+info    : used 168 registers, used 16 barriers, 56 stack, 1 bytes smem, 0 bytes lmem
+ptxas info    : Compiling entry function 'anonymous_mosaic_gpu_kernel' for 'sm_100a'
+ptxas info    : Function properties for anonymous_mosaic_gpu_kernel
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 80 registers, used 16 barriers, 17 bytes smem
+info    : Function properties for 'anonymous_mosaic_gpu_kernel':
+info    : used 80 registers, used 16 barriers, 0 stack, 1 bytes smem, 0 bytes lmem
+"""
+
+
+def test_ptxas_kernels_count_each_spill_once():
+  g = _load()
+  assert g.ptxas_kernels(PTXAS_B200) == [
+      {"name": "body_mosaic_gpu_kernel", "registers": 168, "spill_store_bytes": 108,
+       "setmaxnreg_ignored": True},
+      {"name": "anonymous_mosaic_gpu_kernel", "registers": 80, "spill_store_bytes": 0,
+       "setmaxnreg_ignored": False}]
+  assert g.ptxas_summary(PTXAS_B200) == {"ptxas_kernels": 2, "max_registers": 168,
+                                         "spill_store_bytes": 108}
+
+
+def test_report_lists_spilling_kernel_configs():
+  g = _load()
+  row = {"gpu": "b200", "program": "decode_attention: 4 kernel configs", "kernels": "pallas",
+         "ptxas_kernels": 4, "max_registers": 168, "spill_store_bytes": 108,
+         "spilling": ["decode_attention sm100 ... (108 B)"], "status": "ok"}
+  text = g.report([row], "", ["--checks", "kernels"])
+  assert "| b200 | decode_attention: 4 kernel configs | pallas |" in text
+  assert "4 / 168 / 108" in text
+  assert "- b200: decode_attention sm100 ... (108 B)" in text
+
+
 def test_flags_are_checked():
   g = _load()
   for bad in (["--gpus", "a100"], ["--checks", "prefill"], ["--kernels", "triton"],
