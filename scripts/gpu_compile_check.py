@@ -59,6 +59,9 @@ def _parse(argv):
   ap.add_argument("--context", type=int, default=131072, help="decode check: KV cache positions")
   ap.add_argument("--batch", type=int, default=8, help="decode check: rows")
   ap.add_argument("--layers", type=int, default=48, help="decode check: decoder layers")
+  ap.add_argument("--prompt_len", type=int, default=16,
+                  help="decode check: prompt tokens per row of the generate programs (prefill's "
+                       "MoE takes the grouped path once rows x top-k exceed the local experts)")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_compile_check.md"))
   ap.add_argument("--rows_json", default="", help=argparse.SUPPRESS)  # a per-GPU child's rows
   args = ap.parse_args(argv)
@@ -68,7 +71,7 @@ def _parse(argv):
     bad = set(value.split(",")) - set(allowed)
     if bad:
       ap.error(f"{name}: unknown {sorted(bad)}; choose from {sorted(allowed)}")
-  for name in ("context", "batch", "layers"):
+  for name in ("context", "batch", "layers", "prompt_len"):
     if getattr(args, name) < 1:
       ap.error(f"--{name} must be >= 1")
   return args
@@ -304,10 +307,11 @@ def _sharded_model(cfg, mesh, kernels: str, draft_of=None):
   return plan, graphdef, state
 
 
-def compile_generate_loop(cfg, mesh, batch: int, context: int, kernels: str, spec: bool):
+def compile_generate_loop(cfg, mesh, batch: int, context: int, kernels: str, spec: bool,
+                          prompt_len: int = 16):
   """maverick.generate's program (prefill, then the decode while loop), or with `spec`
   spec_decode.generate's (K=3 chain rounds with NVIDIA's EAGLE-3 head for the target, as
-  plan_memory.py describes it), for `batch` 16-token prompts and 64 new tokens over a
+  plan_memory.py describes it), for `batch` prompts of `prompt_len` tokens and 64 new tokens over a
   `context`-slot cache: the cache lives inside the program, so XLA picks its layout for the loop.
   Returns (compiled, seconds in all, seconds of those spent in JAX's lowering)."""
   import jax
@@ -318,7 +322,7 @@ def compile_generate_loop(cfg, mesh, batch: int, context: int, kernels: str, spe
   from maverick import memory_plan
   from spec_decode import speculative
   plan, graphdef, state = _sharded_model(cfg, mesh, kernels)
-  req, steps, _ = plain.prepare(cfg, [[7] * 16] * batch, max_new_tokens=64)
+  req, steps, _ = plain.prepare(cfg, [[7] * prompt_len] * batch, max_new_tokens=64)
   rows = plan.batch_axis(batch)
   req = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=(
       NamedSharding(mesh, PartitionSpec(rows, *[None] * (np.ndim(x) - 1))) if np.ndim(x)
@@ -395,7 +399,8 @@ def decode_check(args, gpu: str, dump_dir: str) -> list[dict]:
                                                              kernels)
         else:
           compiled, seconds, lowered_s = compile_generate_loop(
-              cfg, mesh, args.batch, args.context, kernels, spec=program == "spec")
+              cfg, mesh, args.batch, args.context, kernels, spec=program == "spec",
+              prompt_len=args.prompt_len)
       shard, dtypes = kv_shard(cfg, mesh, args.batch, args.context)
       if program != "step":
         module = "jit__generate" if program == "loop" else "jit__spec_generate"
