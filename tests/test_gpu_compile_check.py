@@ -4,6 +4,10 @@ themselves need jax's CUDA plugin (`bash tools/setup.sh cuda12`) and run from th
 report is in the README ("GPU programs compiled without a GPU")."""
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,6 +134,23 @@ def test_report_lists_spilling_kernel_configs():
   assert "| b200 | decode_attention: 4 kernel configs | pallas |" in text
   assert "4 / 168 / 108" in text
   assert "- b200: decode_attention sm100 ... (108 B)" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None
+                    or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                    reason="needs jax's CUDA plugin (bash tools/setup.sh cuda12)")
+def test_every_b200_kernel_config_compiles_without_spills(tmp_path):
+  """Where the CUDA build is installed: every distinct kernel config through ptxas for sm_100a,
+  0 spill bytes (3 warpgroups get 168 registers a thread: ptxas ignores setmaxnreg in Mosaic's
+  relocatable builds). ~1 min of compiling."""
+  rows_json = tmp_path / "rows.json"
+  subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), "--gpus", "b200",
+                  "--checks", "kernels", "--rows_json", str(rows_json)], check=True, timeout=1200,
+                 env=dict(os.environ, XLA_FLAGS=""))
+  rows = json.loads(rows_json.read_text())
+  assert len(rows) == 4 and all(r["status"] == "ok" and r["ptxas_kernels"] for r in rows), rows
+  assert [r["spilling"] for r in rows] == [[]] * 4
 
 
 def test_flags_are_checked():
