@@ -189,6 +189,13 @@ def _sds(shape, dtype):
 
 def lower(case: Case) -> str:
   """Lowers the op's public API with implementation="pallas" for case.arch (raises on failure)."""
+  fn, args = call(case)
+  return pallas_kernels.lower_for_gpu(fn, *args, arch=case.arch)
+
+
+def call(case: Case):
+  """(fn, args): the op's public API with implementation="pallas", and ShapeDtypeStructs (None
+  where the call passes no array) for one call of the case."""
   p = case.p
   if case.op == "gemm":
     dt, n, k = jnp.dtype(p["dtype"]), p["n"], p["k"]
@@ -236,4 +243,4 @@ def lower(case: Case) -> str:
             else (None, None, None))
     args = (_sds((1, t, h, dh), BF16), _sds((1, s, kv, dh), kvd), _sds((1, s, kv, dh), kvd),
             _sds((1, t), jnp.int32), *scales, *tree)
-  return pallas_kernels.lower_for_gpu(fn, *args, arch=case.arch)
+  return fn, args

@@ -86,24 +86,29 @@ def grouped_matmul(x_ad: jax.Array, w_edf: jax.Array, group_sizes: jax.Array, *,
   first_tile = (tile_end - tiles_per_group)[tile_group]
   row_start = group_start[tile_group] + (t - first_tile) * tm
   row_end = (group_start + group_sizes)[tile_group]
-  active = t < tile_end[-1]
 
-  rows = row_start[:, None] + jnp.arange(tm)[None, :]  # [tiles, tm]
-  valid = (rows < row_end[:, None]) & active[:, None]
-  x_tiles = jnp.concatenate([x_ad, jnp.zeros((tm, D), x_ad.dtype)])[jnp.minimum(rows, A + tm - 1)]
+  last_tile = tile_end[-1]
+  x_pad = jnp.concatenate([x_ad, jnp.zeros((tm, D), x_ad.dtype)])
 
-  def one_tile(args):
-    x_md, group, is_active = args
-    return jax.lax.cond(
+  # No slice at the loop index (XLA:GPU runs those as async copies, which keep the loop out of a
+  # CUDA graph): the tile's scalars are picked by a compare-and-sum, its rows gathered, and its
+  # output scattered into the carry (each row written once, so the sums are exact).
+  def one_tile(i, out):
+    pick = lambda a: jnp.sum(jnp.where(t == i, a, 0))
+    group, start, end = pick(tile_group), pick(row_start), pick(row_end)
+    is_active = i < last_tile
+    rows = start + jnp.arange(tm)
+    x_md = x_pad[jnp.minimum(rows, A + tm - 1)]
+    y = jax.lax.cond(
         is_active,
         lambda: jax.lax.dot_general(x_md, _operand(w_edf[group], x_md.dtype),
                                     (((1,), (w_dim_d - 1,)), ((), ())),
                                     preferred_element_type=jnp.float32),
         lambda: jnp.zeros((tm, F), jnp.float32))
+    dest = jnp.where((rows < end) & is_active, rows, A)  # padding rows go to a dump row
+    return out.at[dest].add(y)
 
-  y_tiles = jax.lax.map(one_tile, (x_tiles, tile_group, active))  # [tiles, tm, F]
-  dest = jnp.where(valid, rows, A).reshape(-1)  # padding rows go to a dump row
-  out = jnp.zeros((A + 1, F), jnp.float32).at[dest].add(y_tiles.reshape(-1, F))
+  out = jax.lax.fori_loop(0, max_tiles, one_tile, jnp.zeros((A + 1, F), jnp.float32))
   return out[:A]
 
 

@@ -21,6 +21,10 @@ Checks, per GPU:
           flags of maverick.gpu_flags on): whether each `while` sits inside a command buffer (a
           CUDA graph: the predicate stays on the device) or is driven by the host, and host
           transfer thunks.
+  kernels every distinct kernel configuration of maverick.kernel_sweep (all Maverick and Scout
+          kernel calls at TP 1/4/8, BF16 and FP8; one call per planner config and static facts,
+          as tests/test_kernel_lowering_sweep.py lowers them) through ptxas on one compile-only
+          device: registers and spills per op, and every configuration that spills.
 The report (Markdown) goes to stdout and to --out.
 """
 
@@ -39,7 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 GPUS = {"h200": ("NVIDIA H200 141GB HBM3e", "sm90"), "b200": ("NVIDIA B200", "sm100")}
-CHECKS = ("decode", "loops")
+CHECKS = ("decode", "loops", "kernels")
 PROGRAMS = ("loop", "spec", "step")  # the decode check's programs
 
 
@@ -55,6 +59,9 @@ def _parse(argv):
   ap.add_argument("--context", type=int, default=131072, help="decode check: KV cache positions")
   ap.add_argument("--batch", type=int, default=8, help="decode check: rows")
   ap.add_argument("--layers", type=int, default=48, help="decode check: decoder layers")
+  ap.add_argument("--prompt_len", type=int, default=16,
+                  help="decode check: prompt tokens per row of the generate programs (prefill's "
+                       "MoE takes the grouped path once rows x top-k exceed the local experts)")
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_compile_check.md"))
   ap.add_argument("--rows_json", default="", help=argparse.SUPPRESS)  # a per-GPU child's rows
   args = ap.parse_args(argv)
@@ -64,7 +71,7 @@ def _parse(argv):
     bad = set(value.split(",")) - set(allowed)
     if bad:
       ap.error(f"{name}: unknown {sorted(bad)}; choose from {sorted(allowed)}")
-  for name in ("context", "batch", "layers"):
+  for name in ("context", "batch", "layers", "prompt_len"):
     if getattr(args, name) < 1:
       ap.error(f"--{name} must be >= 1")
   return args
@@ -193,15 +200,37 @@ def mosaic_kernels(hlo_text: str) -> int:
   return len(re.findall(r'custom_call_target="mosaic_gpu', hlo_text))
 
 
-_PTXAS = re.compile(r"Function properties for (\S+)|Used (\d+) registers|(\d+) bytes spill stores")
+def ptxas_kernels(text: str) -> list[dict]:
+  """Each kernel ptxas compiled (MOSAIC_GPU_DUMP_PTXAS output): name, registers, spill store
+  bytes, and whether ptxas ignored its `setmaxnreg` (info C7504: Mosaic GPU builds relocatable
+  code through nvJitLink, so a thread keeps 65536 / threads registers, 168 with 3 warpgroups).
+  Spills are read from the "Function properties" line only: ptxas repeats them in a warning."""
+  out: list[dict] = []
+  ignored = False
+  for line in text.splitlines():
+    if "'setmaxnreg' ignored" in line:
+      ignored = True
+    m = re.search(r"Function properties for (\S+)$", line.strip())
+    if m and line.lstrip().startswith("ptxas"):
+      out.append({"name": m.group(1), "registers": 0, "spill_store_bytes": 0,
+                  "setmaxnreg_ignored": ignored})
+      ignored = False
+      continue
+    m = re.search(r"bytes stack frame, (\d+) bytes spill stores", line)
+    if m and out:
+      out[-1]["spill_store_bytes"] = int(m.group(1))
+    m = re.search(r"Used (\d+) registers", line)
+    if m and out:
+      out[-1]["registers"] = int(m.group(1))
+  return out
 
 
 def ptxas_summary(text: str) -> dict:
-  """Kernels ptxas compiled (from MOSAIC_GPU_DUMP_PTXAS output): count, max registers, spills."""
-  regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
-  spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", text)]
-  return {"ptxas_kernels": len(regs), "max_registers": max(regs, default=0),
-          "spill_store_bytes": sum(spills)}
+  """Kernels ptxas compiled: count, max registers, spill store bytes in all."""
+  kernels = ptxas_kernels(text)
+  return {"ptxas_kernels": len(kernels),
+          "max_registers": max((k["registers"] for k in kernels), default=0),
+          "spill_store_bytes": sum(k["spill_store_bytes"] for k in kernels)}
 
 
 _THUNK = re.compile(r"^(\s*)\d+: (k\w+)")
@@ -278,10 +307,11 @@ def _sharded_model(cfg, mesh, kernels: str, draft_of=None):
   return plan, graphdef, state
 
 
-def compile_generate_loop(cfg, mesh, batch: int, context: int, kernels: str, spec: bool):
+def compile_generate_loop(cfg, mesh, batch: int, context: int, kernels: str, spec: bool,
+                          prompt_len: int = 16):
   """maverick.generate's program (prefill, then the decode while loop), or with `spec`
   spec_decode.generate's (K=3 chain rounds with NVIDIA's EAGLE-3 head for the target, as
-  plan_memory.py describes it), for `batch` 16-token prompts and 64 new tokens over a
+  plan_memory.py describes it), for `batch` prompts of `prompt_len` tokens and 64 new tokens over a
   `context`-slot cache: the cache lives inside the program, so XLA picks its layout for the loop.
   Returns (compiled, seconds in all, seconds of those spent in JAX's lowering)."""
   import jax
@@ -292,7 +322,7 @@ def compile_generate_loop(cfg, mesh, batch: int, context: int, kernels: str, spe
   from maverick import memory_plan
   from spec_decode import speculative
   plan, graphdef, state = _sharded_model(cfg, mesh, kernels)
-  req, steps, _ = plain.prepare(cfg, [[7] * 16] * batch, max_new_tokens=64)
+  req, steps, _ = plain.prepare(cfg, [[7] * prompt_len] * batch, max_new_tokens=64)
   rows = plan.batch_axis(batch)
   req = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=(
       NamedSharding(mesh, PartitionSpec(rows, *[None] * (np.ndim(x) - 1))) if np.ndim(x)
@@ -369,7 +399,8 @@ def decode_check(args, gpu: str, dump_dir: str) -> list[dict]:
                                                              kernels)
         else:
           compiled, seconds, lowered_s = compile_generate_loop(
-              cfg, mesh, args.batch, args.context, kernels, spec=program == "spec")
+              cfg, mesh, args.batch, args.context, kernels, spec=program == "spec",
+              prompt_len=args.prompt_len)
       shard, dtypes = kv_shard(cfg, mesh, args.batch, args.context)
       if program != "step":
         module = "jit__generate" if program == "loop" else "jit__spec_generate"
@@ -434,6 +465,49 @@ def loops_check(args, gpu: str, dump_dir: str) -> list[dict]:
   return rows
 
 
+def kernels_check(args, gpu: str) -> list[dict]:
+  """One row per op: its distinct sweep configurations compiled for `gpu`, through ptxas."""
+  import jax
+  from jax.sharding import SingleDeviceSharding
+
+  from maverick import kernel_sweep as ks
+  (device,) = gpu_devices(gpu, 1)
+  arch = GPUS[gpu][1]
+  reps: dict = {}
+  for case in ks.cases(archs=(arch,)):
+    plan = ks.plan(case)
+    if plan.supported:
+      reps.setdefault(ks.config_key(case, plan), case)
+  rows = []
+  for op in ("gemm", "grouped_gemm", "prefill_attention", "decode_attention"):
+    cases = [c for c in reps.values() if c.op == op]
+    row = {"gpu": gpu, "program": f"{op}: {len(cases)} kernel configs", "kernels": "pallas"}
+    kernels, spilling, failed = [], [], []
+    t = time.perf_counter()
+    for case in cases:
+      fn, sds = ks.call(case)
+      sds = [None if a is None else jax.ShapeDtypeStruct(
+          a.shape, a.dtype, sharding=SingleDeviceSharding(device)) for a in sds]
+      try:
+        with pinned_arch(arch), captured_fds() as fds:
+          jax.jit(fn).lower(*sds).compile()
+      except Exception as e:  # recorded with its case: the other configs still compile
+        failed.append(f"{case.describe()}: {type(e).__name__}: {str(e)[:200]}")
+        continue
+      found = ptxas_kernels(fds[0])
+      kernels += found
+      spilling += [f"{case.describe()} ({k['spill_store_bytes']} B)" for k in found
+                   if k["spill_store_bytes"]]
+    row.update(compile_s=round(time.perf_counter() - t, 1), ptxas_kernels=len(kernels),
+               max_registers=max((k["registers"] for k in kernels), default=0),
+               spill_store_bytes=sum(k["spill_store_bytes"] for k in kernels),
+               setmaxnreg_ignored=sum(k["setmaxnreg_ignored"] for k in kernels),
+               spilling=spilling, status="ok" if not failed else f"failed: {failed[:3]}")
+    rows.append(row)
+    print(_row_line(row), flush=True)
+  return rows
+
+
 def _row_line(row: dict) -> str:
   return " | ".join(f"{k}={v}" for k, v in row.items())
 
@@ -465,9 +539,12 @@ def report(rows: list[dict], plan_text: str, argv) -> str:
         f"({r.get('lowering_s', '-')}) | {r.get('whole_kv_moves', '-')} | {r.get('mosaic_kernels', '-')} | {ptx} | "
         f"{r['xla_temp_GB']:.2f} |" if "xla_temp_GB" in r else
         f"| {r['gpu']} | {r['program']} | {r.get('kernels', '-')} | {r.get('compile_s', '-')} | "
-        f"- | - | - | - |")
+        f"- | - | {ptx} | - |")
     lines[-1] += (f" {r.get('while_in_command_buffer', '-')} | {r.get('while_host_driven', '-')} | "
                   f"{r.get('host_transfers', '-')} | {str(r['status'])[:120]} |")
+  spilling = [f"- {r['gpu']}: {c}" for r in rows for c in r.get("spilling", [])]
+  if spilling:
+    lines += ["", "Kernel configurations that spill registers (ptxas):", "", *spilling]
   if plan_text:
     lines += ["", "plan_memory.py (8 CPU devices, same batch and context):", "", "```", plan_text,
               "```"]
@@ -517,6 +594,8 @@ def main(argv=None) -> int:
       rows += decode_check(args, gpus[0], dump_dir)
     if "loops" in args.checks:
       rows += loops_check(args, gpus[0], dump_dir)
+    if "kernels" in args.checks:
+      rows += kernels_check(args, gpus[0])
   if args.rows_json:
     pathlib.Path(args.rows_json).write_text(json.dumps(rows))
     return 0

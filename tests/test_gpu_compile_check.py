@@ -4,6 +4,10 @@ themselves need jax's CUDA plugin (`bash tools/setup.sh cuda12`) and run from th
 report is in the README ("GPU programs compiled without a GPU")."""
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,6 +91,66 @@ ptxas info    : Used 255 registers
 """
   assert g.ptxas_summary(text) == {"ptxas_kernels": 2, "max_registers": 255,
                                    "spill_store_bytes": 24}
+
+
+# As ptxas printed it for the B200 decode-attention kernel before its fix (MOSAIC_GPU_DUMP_PTXAS:
+# relocatable code, so the spill is repeated in a warning and setmaxnreg is ignored), then a
+# kernel without either.
+PTXAS_B200 = """ptxas info    : (C7504) Potential Performance Loss: 'setmaxnreg' ignored to maintain compatibility across compilation units.
+ptxas warning : Registers are spilled to local memory in function 'body_mosaic_gpu_kernel', 108 bytes spill stores, 80 bytes spill loads
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'body_mosaic_gpu_kernel' for 'sm_100a'
+ptxas info    : Function properties for body_mosaic_gpu_kernel
+ptxas         .     56 bytes stack frame, 108 bytes spill stores, 80 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 17 bytes smem
+info    : Function properties for 'body_mosaic_gpu_kernel':
+info    : used 168 registers, used 16 barriers, 56 stack, 1 bytes smem, 0 bytes lmem
+ptxas info    : Compiling entry function 'anonymous_mosaic_gpu_kernel' for 'sm_100a'
+ptxas info    : Function properties for anonymous_mosaic_gpu_kernel
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 80 registers, used 16 barriers, 17 bytes smem
+info    : Function properties for 'anonymous_mosaic_gpu_kernel':
+info    : used 80 registers, used 16 barriers, 0 stack, 1 bytes smem, 0 bytes lmem
+"""
+
+
+def test_ptxas_kernels_count_each_spill_once():
+  g = _load()
+  assert g.ptxas_kernels(PTXAS_B200) == [
+      {"name": "body_mosaic_gpu_kernel", "registers": 168, "spill_store_bytes": 108,
+       "setmaxnreg_ignored": True},
+      {"name": "anonymous_mosaic_gpu_kernel", "registers": 80, "spill_store_bytes": 0,
+       "setmaxnreg_ignored": False}]
+  assert g.ptxas_summary(PTXAS_B200) == {"ptxas_kernels": 2, "max_registers": 168,
+                                         "spill_store_bytes": 108}
+
+
+def test_report_lists_spilling_kernel_configs():
+  g = _load()
+  row = {"gpu": "b200", "program": "decode_attention: 4 kernel configs", "kernels": "pallas",
+         "ptxas_kernels": 4, "max_registers": 168, "spill_store_bytes": 108,
+         "spilling": ["decode_attention sm100 ... (108 B)"], "status": "ok"}
+  text = g.report([row], "", ["--checks", "kernels"])
+  assert "| b200 | decode_attention: 4 kernel configs | pallas |" in text
+  assert "4 / 168 / 108" in text
+  assert "- b200: decode_attention sm100 ... (108 B)" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None
+                    or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                    reason="needs jax's CUDA plugin (bash tools/setup.sh cuda12)")
+def test_every_b200_kernel_config_compiles_without_spills(tmp_path):
+  """Where the CUDA build is installed: every distinct kernel config through ptxas for sm_100a,
+  0 spill bytes (3 warpgroups get 168 registers a thread: ptxas ignores setmaxnreg in Mosaic's
+  relocatable builds). ~1 min of compiling."""
+  rows_json = tmp_path / "rows.json"
+  subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), "--gpus", "b200",
+                  "--checks", "kernels", "--rows_json", str(rows_json)], check=True, timeout=1200,
+                 env=dict(os.environ, XLA_FLAGS=""))
+  rows = json.loads(rows_json.read_text())
+  assert len(rows) == 4 and all(r["status"] == "ok" and r["ptxas_kernels"] for r in rows), rows
+  assert [r["spilling"] for r in rows] == [[]] * 4
 
 
 def test_flags_are_checked():

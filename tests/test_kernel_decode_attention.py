@@ -132,8 +132,8 @@ CASES = [
     # num_splits=None: auto (interpret mode emulates 2 SMs)
     ("t1_g5_dh128_autosplit", 6, 1, 1, 5, 1, 128, 128, [[77]], None, None, False),
 ]
-# sm100 (interpret mode is slow: a subset). Its stage count at Dh=64 with one consumer is 6, so
-# refilling needs 7+ KV steps in one split: row 1 takes 8.
+# sm100 (interpret mode is slow: a subset). Its stage count at Dh=64 with one consumer is 4 (a
+# power of two), so refilling needs 5+ KV steps in one split: row 1 takes 8.
 SM100_CASES = [
     ("t1_g1_len1_refill8", 0, 2, 1, 2, 2, 64, 512, [[0], [459]], None, 1, False),
 ] + [c for c in CASES if c[0] in ("t4_g5_splits2", "t4_g4_fp8_chunked_refill")]
@@ -188,7 +188,7 @@ def test_tree_of_40_nodes():
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_two_consumer_warpgroups(monkeypatch, arch):
   """The GPU configuration: 2 consumer warpgroups taking alternate KV steps (fp8, tree, chunk,
-  8 steps over 4 stages on sm90 / 6 on sm100, so slots are refilled; on sm100 each consumer has
+  8 steps over 4 stages on sm90 and sm100, so slots are refilled; on sm100 each consumer has
   its own TMEM columns). Interpret mode defaults to 1 consumer: with 3 warpgroup threads blocked
   in callbacks a 1-device CPU client's pool can deadlock; with 8 host devices it has not (6/6
   runs)."""

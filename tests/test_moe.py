@@ -1,5 +1,7 @@
 """Sparse MoE dispatch against float64 NumPy, and proof that unselected experts are never computed."""
 
+import ast
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,3 +93,19 @@ def test_tile_loop_length_scales_with_tokens_not_experts():
   jaxpr = jax.make_jaxpr(lambda a, b, c: moe.grouped_matmul(a, b, c))(x, w, sizes)
   scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
   assert len(scans) == 1 and scans[0].params["length"] <= 9
+
+
+def test_tile_loop_slices_nothing_at_its_index():
+  """The tile loop takes no per-iteration inputs and stacks no outputs (scan xs / ys): XLA:GPU
+  turns those slices at the loop index into async copies, which keep the loop host-driven (out
+  of a CUDA graph) on a GPU (scripts/gpu_compile_check.py, prefill program)."""
+  x = jnp.ones((40, 4), jnp.float32)
+  w = jnp.ones((8, 4, 6), jnp.float32)
+  sizes = jnp.full((8,), 5, jnp.int32)
+  jaxpr = jax.make_jaxpr(lambda a, b, c: moe.grouped_matmul(a, b, c, tile_m=8))(x, w, sizes)
+  (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+  # This jax's scan keeps (consts, carry, xs) in and (carry, ys) out as flat trees (FTTuple) whose
+  # repr is the nested tuple.
+  consts, carry, xs = ast.literal_eval(repr(scan.params["ft_in"]))
+  assert len(consts) + len(carry) == len(scan.invars) and xs == ()
+  assert ast.literal_eval(repr(scan.params["ft_out"]))[1] == ()

@@ -25,8 +25,8 @@ TMEM: compute_wgs * (block_kv + Dh) columns (384 of 512 at Dh=128, 2 compute war
 FP8 KV (e4m3): the tile is converted to bf16 in SMEM (one conversion buffer per compute
 warpgroup, as sm90; q is bf16, so kind::f16 MMAs), the k scale multiplies the scores and the v
 scale the probabilities, per slot.
-SMEM at Dh=128, block_kv=64, 2 compute warpgroups: bf16 4 stages ~196 KiB; fp8 6 stages ~200 KiB
-(see `smem_plan`).
+SMEM at Dh=128, block_kv=64, 2 compute warpgroups: bf16 4 stages ~196 KiB; fp8 4 stages ~166 KiB
+(see `smem_plan`; 6 would fit, but a power-of-two ring keeps the consumer in its registers).
 Not done (FA4-style): lazy O rescaling (skip when the row max barely moves), S/P aliasing in
 TMEM, a dedicated MMA warp.
 """
@@ -45,6 +45,12 @@ from pallas_kernels.decode_attention.sm90 import LOG2E, NUM_BOUNDS, _fp8_to_bf16
 BLOCK_M = 128  # the tcgen05 M of one CTA
 MAX_STAGES = 6
 SMEM_BUDGET = 200 * 1024
+# Registers: Mosaic GPU builds kernels through nvJitLink as relocatable code, where ptxas ignores
+# `setmaxnreg` (info C7504), so each of the 3 warpgroups' threads gets 65536 / 384 -> 168
+# registers, the consumer's 232 never. What keeps the consumer under that (ptxas, sm_100a, no
+# spills): P is stored before O is rescaled, O is rescaled 32 columns at a time, and the ring
+# has a power-of-two depth (6 stages spilled 212 B with FP8).
+RESCALE_COLS = 32
 
 
 def smem_bytes(Dh: int, block_kv: int, kv_itemsize: int, compute_wgs: int, stages: int,
@@ -63,11 +69,11 @@ def smem_bytes(Dh: int, block_kv: int, kv_itemsize: int, compute_wgs: int, stage
 
 def smem_plan(Dh: int, block_kv: int, kv_itemsize: int, compute_wgs: int) -> int:
   """Pipeline depth that keeps one CTA's SMEM under ~200 KiB (one CTA per SM), a multiple of
-  compute_wgs (see sm90.smem_plan)."""
+  compute_wgs (see sm90.smem_plan) and a power of two (registers, see RESCALE_COLS)."""
   stages = MAX_STAGES
   while stages > compute_wgs and (
       smem_bytes(Dh, block_kv, kv_itemsize, compute_wgs, stages) > SMEM_BUDGET
-      or stages % compute_wgs):
+      or stages % compute_wgs or stages & (stages - 1)):
     stages -= 1
   return max(compute_wgs, stages)
 
@@ -181,15 +187,8 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
           p, m_new, alpha, l_i = stream.softmax_step(s, m_i, l_i)
           plgpu.wait_load_tmem()  # S is in registers before the next step's MMA overwrites it
 
-          @pl.when(j > 0)
-          def _rescale_o():  # O *= alpha in TMEM (the previous P V MMA has completed)
-            alpha_b = lax.broadcast_in_dim(alpha, chunk, [0])
-            for cols in o_cols:
-              o = plgpu.async_load_tmem(my_o.at[:, cols], layout=layout)
-              plgpu.wait_load_tmem()  # read before overwritten
-              plgpu.async_store_tmem(my_o.at[:, cols], o * alpha_b)
-            plgpu.commit_tmem()
-
+          # P goes to SMEM before O is rescaled: P and an O chunk are never live together
+          # (registers: 3 warpgroups cap a thread at 168, see stream.py).
           plgpu.barrier_wait(v_bar.at[slot])
           if fp8:
             plgpu.barrier_wait(vs_bar.at[slot])
@@ -200,6 +199,16 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
           else:
             v_op = v_s.at[slot]
           my_p[...] = p.astype(jnp.bfloat16)
+
+          @pl.when(j > 0)
+          def _rescale_o():  # O *= alpha in TMEM (the previous P V MMA has completed)
+            alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, RESCALE_COLS), [0])
+            for cols in [pl.ds(c, RESCALE_COLS) for c in range(0, Dh, RESCALE_COLS)]:
+              o = plgpu.async_load_tmem(my_o.at[:, cols], layout=layout)
+              plgpu.wait_load_tmem()  # read before overwritten
+              plgpu.async_store_tmem(my_o.at[:, cols], o * alpha_b)
+            plgpu.commit_tmem()
+
           plgpu.commit_smem()
           mma_and_wait(my_o, my_p, v_op, j > 0)
           # Every read of the slot (MMAs, scale loads, fp8 conversion) is behind us now.

@@ -43,6 +43,10 @@ BLOCK_Q = 128  # packed rows per compute warpgroup: the tcgen05 M
 MAX_STAGES = 4
 SMEM_BUDGET = 200 * 1024  # what default_config plans for
 SMEM_LIMIT = 227 * 1024  # the most one CTA can have on sm_100
+# The loop rescales O in 32-column chunks (o_chunk sets the epilogue's, which goes through the
+# swizzled SMEM tile). Registers: see decode_attention/sm100.py's RESCALE_COLS (ptxas ignores
+# setmaxnreg here, so a thread of the 3 warpgroups has 168).
+RESCALE_COLS = 32
 TMEM_COLUMNS = 512
 # The CPU interpreter runs every warpgroup as a host thread blocked in XLA callbacks; on a small
 # host three of them can starve XLA's CPU pool (see decode_attention/api.py), so interpret mode
@@ -105,6 +109,7 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
                      f"(max {SMEM_LIMIT}) and {tmem_columns(Dh, bkv, C)} TMEM columns (max "
                      f"{TMEM_COLUMNS})")
   o_chunk = min(cfg.o_chunk, Dh)
+  rescale = min(o_chunk, RESCALE_COLS)  # O *= alpha in TMEM needs no SMEM tile
   ping_pong = cfg.ping_pong and C == 2
   cta_rows = C * bq
   dtype = q.dtype
@@ -186,17 +191,18 @@ def prefill_attention(q, k, v, lengths, *, chunk_size: int | None, sm_scale: flo
           p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (bq, bkv), [0]))
           l_new = l_prev * alpha + p.sum(axis=1)
           plgpu.wait_load_tmem()  # S is in registers before the next step's MMA overwrites it
+          # P is stored before O is rescaled, so P and an O chunk are never live together.
+          my_p[...] = p.astype(dtype)  # the previous P V MMA, P's reader, has completed
 
           @pl.when(j > 0)
           def _rescale_o():  # O *= alpha in TMEM (the previous P V MMA has completed)
-            alpha_b = lax.broadcast_in_dim(alpha, (bq, o_chunk), [0])
-            for cols in o_columns:
+            alpha_b = lax.broadcast_in_dim(alpha, (bq, rescale), [0])
+            for cols in [pl.ds(c, rescale) for c in range(0, Dh, rescale)]:
               o = plgpu.async_load_tmem(my_o.at[:, cols], layout=layout)
               plgpu.wait_load_tmem()  # read before overwritten
               plgpu.async_store_tmem(my_o.at[:, cols], o * alpha_b)
             plgpu.commit_tmem()
 
-          my_p[...] = p.astype(dtype)  # the previous P V MMA, P's reader, has completed
           plgpu.commit_smem()
           take_turns()  # softmax done: the other warpgroup's turn on the tensor core ends
           plgpu.barrier_wait(v_bar.at[slot])
