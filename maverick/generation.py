@@ -156,12 +156,15 @@ def _stop_matrix(cfg, batch: int, stop_tokens) -> np.ndarray:
   return out
 
 
-def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=()):
+def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=(), cache=None):
   """Fills an empty cache with the prompts; returns (forward output at each row's last prompt token,
-  cache with lengths = prompt lengths)."""
+  cache with lengths = prompt lengths). `cache`: the (empty-rowed, lengths 0) cache to fill, e.g. a
+  paged one (kv_cache.PagedKVCache) whose tables name the rows' blocks; default a new contiguous
+  one of `capacity`."""
   B = req.prompt.shape[0]
-  cache = sharding.constrain_cache(kvc.KVCache.init(model.config, B, capacity),
-                                   sharding.plan_of(model))
+  if cache is None:
+    cache = kvc.KVCache.init(model.config, B, capacity)
+  cache = sharding.constrain_cache(cache, sharding.plan_of(model))
   out = model(req.prompt, cache=cache, prefill=True, logits_at=req.prompt_lengths - 1,
               capture_layers=capture_layers)
   return out, out.cache.with_lengths(req.prompt_lengths)
