@@ -43,8 +43,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maverick import generation as plain
 from maverick import kernels as kernels_lib
+from maverick import kv_cache as kvc
 from maverick import sampling
 from maverick import sharding
+from maverick.serving import blocks
+from maverick.serving import paging
 from spec_decode import speculative as spec
 
 DEFAULT_ROUNDS = 8
@@ -95,6 +98,7 @@ class Handle:
   num_tokens: int = 0
   finished: bool = False
   cancelled: bool = False
+  output: list = dataclasses.field(default_factory=list)  # tokens reported so far
 
 
 class Engine:
@@ -104,6 +108,10 @@ class Engine:
   (k draft tokens per round, or tree drafting with `tree`), None for plain decoding.
   slots: the batch. max_seq_len: prompt + generated tokens per slot (the cache rows hold that plus
   a speculative round's slack). rounds: decode steps / speculative rounds per device call at most.
+  kv_layout: "contiguous" (each slot a row of the cache) or "paged" (KV blocks of `block_size`
+  positions from pools of `num_blocks` blocks shared by all slots, default slots x the blocks of a
+  row, so no more memory than contiguous; admission by free blocks, chunk-local layers release
+  blocks their queries can no longer see; see maverick/serving/paging.py).
   """
 
   def __init__(self, model, draft=None, *, k: int = 3, tree=None, slots: int = 8,
@@ -111,8 +119,13 @@ class Engine:
                stop_tokens: Sequence[int] | None = None, max_stop_ids: int = 8,
                pad_id: int | None = None, min_bucket: int = plain.MIN_BUCKET,
                batch_buckets: Sequence[int] | None = None,
-               max_logit_bias: int = sampling.MAX_LOGIT_BIAS):
+               max_logit_bias: int = sampling.MAX_LOGIT_BIAS, kv_layout: str = "contiguous",
+               num_blocks: int | None = None, block_size: int = blocks.DEFAULT_BLOCK_SIZE):
     cfg = model.config
+    if kv_layout not in ("contiguous", "paged"):
+      raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
+    if num_blocks is not None and kv_layout != "paged":
+      raise ValueError("num_blocks sizes a paged KV pool: pass kv_layout='paged' with it")
     if slots < 1 or rounds < 1:
       raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
     if not 2 <= max_seq_len <= cfg.max_position_embeddings:
@@ -136,6 +149,13 @@ class Engine:
     self.max_stop_ids = max(max_stop_ids, len(self.default_stop))
     self.max_logit_bias = max(1, int(max_logit_bias))  # logit_bias entries per request
     self.window = rounds * (self.width + 1) + 1  # tokens a slot can produce in one step (+ insert)
+    self._paging = None
+    if kv_layout == "paged":
+      per_row = -(-self.capacity // block_size)
+      self._paging = paging.PagedKV(
+          cfg, slots, self.capacity, block_size=block_size,
+          num_blocks=slots * per_row if num_blocks is None else num_blocks,
+          advance=self.window, slack=slack, lag=self.width + 2, draft=draft is not None)
     self.buckets = []
     b = min_bucket
     while b < max_seq_len:
@@ -156,6 +176,7 @@ class Engine:
     self._slots_state = None
     self._owner: list[Handle | None] = [None] * slots
     self._waiting: queue.SimpleQueue = queue.SimpleQueue()
+    self._head: Handle | None = None  # taken from _waiting, waiting for KV blocks (paged)
     self._wake = threading.Event()
     self._ids = itertools.count()
     self._thread: threading.Thread | None = None
@@ -177,8 +198,30 @@ class Engine:
 
   def _is_row(self, path) -> bool:
     """Whether a leaf of the slot state has one row per slot: all but a chain's parents [K],
-    which are the same for every request."""
+    which are the same for every request, and a paged cache's block pools (shared by all)."""
+    if (self._paging is not None and len(path) > 1
+        and getattr(path[0], "key", None) in ("cache", "dcache")
+        and getattr(path[1], "name", None) in ("k", "v", "k_scale", "v_scale")):
+      return False
     return self.tree is not None or not any(getattr(p, "name", None) == "parents" for p in path)
+
+  def _paged_rows(self, rows, tables):
+    """rows' paged caches with lengths 0 and these tables [n, P, M] (a fresh row to prefill),
+    as (cache, dcache); (None, None) for a contiguous cache."""
+    if self._paging is None:
+      return None, None
+    fresh = lambda c, t: c.with_tables(t).with_lengths(jnp.zeros((t.shape[0],), jnp.int32))
+    return (fresh(rows["cache"], tables),
+            fresh(rows["dcache"], tables[:, :1]) if "dcache" in rows else None)
+
+  def _empty_paged(self):
+    """One-row paged caches (target, draft) of the engine's pools, all blocks zero."""
+    pg = self._paging
+    init = lambda cfg, **kw: kvc.PagedKVCache.init(cfg, 1, pg.num_blocks, pg.max_blocks,
+                                                   pg.block_size, **kw)
+    cache = init(self.config, layer_table=pg.layer_table)
+    dcache = None if self.draft is None else init(self.draft.config.layer, num_layers=1)
+    return cache, dcache
 
   def _map_rows(self, fn, rows, *rest):
     """fn over the per-slot leaves; other leaves come from the last tree given."""
@@ -204,9 +247,11 @@ class Engine:
       rows = jax.tree_util.tree_map_with_path(pin, rows)
     return dict(rows, **caches)
 
-  def _new_row(self, states, prompt, length, params, stop_ids, max_tokens):
+  def _new_row(self, states, prompt, length, params, stop_ids, max_tokens, cache=None,
+               dcache=None):
     """One request's row (batch 1): prefill, first token, (draft prefill and candidates). The
-    row's random stream is its own (params.seed): no key is shared between slots."""
+    row's random stream is its own (params.seed): no key is shared between slots. cache, dcache:
+    paged one-row caches to prefill into (the pools of every slot, this row's tables)."""
     target, draft = self._models(states)
     req = plain.Request(prompt=prompt, prompt_lengths=length, max_new_tokens=max_tokens,
                         stop_ids=stop_ids, sampling=params)
@@ -218,14 +263,15 @@ class Engine:
     row = dict(params=params, stop_ids=stop_ids, max_tokens=max_tokens,
                emitted=jnp.zeros((1,), jnp.int32))
     if draft is None:
-      out, cache = plain.prefill(target, req, self.capacity)
+      out, cache = plain.prefill(target, req, self.capacity, cache=cache)
       token, logprobs = sampling.sample(out.logits, params, result, stop_ids)
       result = stop(result, token[:, None], jnp.ones((1,), jnp.int32), logprobs)
       return dict(row, token=token, cache=cache, result=result)
     propose, _ = spec.round_fns(target, draft, params, stop_ids, max_tokens, self.pad_id,
                                 k=self.k, tree=self.tree)
     x0, L, result, cand, cache, dcache, stats = spec.spec_prefill(
-        target, draft, propose, req, self.capacity, result, stop, self.width)
+        target, draft, propose, req, self.capacity, result, stop, self.width, cache=cache,
+        dcache=dcache)
     return dict(row, x0=x0, L=L, result=result, cand=cand, cache=cache, dcache=dcache,
                 stats=stats)
 
@@ -233,10 +279,11 @@ class Engine:
     """All-free slots: every row done, lengths 0."""
     B = self.slots
     params = sampling.default_params(1, self.max_logit_bias)
+    paged = () if self._paging is None else self._empty_paged()
     row = jax.eval_shape(
         self._new_row, states, jnp.zeros((1, self.buckets[0]), jnp.int32),
         jnp.ones((1,), jnp.int32), params, jnp.zeros((1, self.max_stop_ids), jnp.int32),
-        jnp.ones((1,), jnp.int32))
+        jnp.ones((1,), jnp.int32), *paged)
     rows = self._map_rows(lambda s: jnp.zeros((B,) + s.shape[1:], s.dtype), row)
     rows = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct)
                         else x, rows)
@@ -245,16 +292,24 @@ class Engine:
     rows["params"] = sampling.default_params(B, self.max_logit_bias)
     return self._constrain(rows)
 
-  def _insert(self, states, rows, slot, prompt, length, params, stop_ids, max_tokens):
-    new = self._new_row(states, prompt, length, params, stop_ids, max_tokens)
+  def _insert(self, states, rows, slot, prompt, length, params, stop_ids, max_tokens, tables):
+    """tables [1, P, M]: the new row's block tables (paged), else None."""
+    new = self._new_row(states, prompt, length, params, stop_ids, max_tokens,
+                        *self._paged_rows(rows, tables))
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype),
                                                                  slot, axis=0)
     return self._constrain(self._map_rows(put, rows, new))
 
-  def _step(self, states, all_rows, release, *, n: int):
-    """Runs the first n slots (a batch bucket); the others are left as they are."""
+  def _step(self, states, all_rows, release, tables, *, n: int):
+    """Runs the first n slots (a batch bucket); the others are left as they are. tables
+    [slots, P, M]: the block tables of a paged cache (the host's, sent with every call), else
+    None."""
     target, draft = self._models(states)
     rows = self._constrain(self._map_rows(lambda x: x[:n], all_rows))
+    if self._paging is not None:
+      rows["cache"] = rows["cache"].with_tables(tables[:n])
+      if "dcache" in rows:
+        rows["dcache"] = rows["dcache"].with_tables(tables[:n, :1])
     result = rows["result"]
     result = dataclasses.replace(result, done=result.done | release[:n])
     done0 = result.done
@@ -301,11 +356,12 @@ class Engine:
     note("init")
     self._slots_state = rows = jax.jit(self._init)(self._states)
     release = jax.device_put(np.zeros((self.slots,), bool))
+    tables = self._tables()
     for n in self.batch_buckets:
       note(f"step batch {n}")
       self._exes["step", n] = jax.jit(functools.partial(self._step, n=n),
                                       donate_argnums=(1,)).lower(
-          self._states, rows, release).compile()
+          self._states, rows, release, tables).compile()
     insert = jax.jit(self._insert, donate_argnums=(1,))
     for b in self.buckets:
       note(f"prefill bucket {b}")
@@ -322,7 +378,15 @@ class Engine:
     stop[0, :len(stop_ids)] = stop_ids
     put = jax.device_put
     return (put(np.int32(slot)), put(padded), put(np.array([len(prompt)], np.int32)), params,
-            put(stop), put(np.array([max_tokens], np.int32)))
+            put(stop), put(np.array([max_tokens], np.int32)), self._tables(slot))
+
+  def _tables(self, slot: int | None = None):
+    """The host's block tables on the device: all slots, or one slot's [1, P, M]; None when the
+    cache is contiguous."""
+    if self._paging is None:
+      return None
+    t = self._paging.tables
+    return jax.device_put(t if slot is None else t[slot:slot + 1])
 
   def bucket(self, n: int) -> int:
     return next(b for b in self.buckets if b >= n)
@@ -369,6 +433,9 @@ class Engine:
                          f"{n + max_tokens} tokens does not fit this server's context of "
                          f"{context} tokens; lower max_tokens to at most {context - n} or shorten "
                          f"the prompt", "max_tokens", "context_length_exceeded")
+    why = None if self._paging is None else self._paging.never_fits(n, int(max_tokens))
+    if why:
+      raise RequestError(why, "max_tokens", "context_length_exceeded")
     if isinstance(seed, bool) or not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**32):
       raise RequestError(f"seed must be an integer in [0, 2**32), got {seed!r}", "seed")
     stop_ids = self.default_stop if stop_tokens is None else list(stop_tokens)
@@ -440,7 +507,7 @@ class Engine:
 
   def _fail_open_requests(self) -> None:
     """After an engine error: every running and waiting request ends with an "error" event."""
-    waiting = []
+    waiting = [] if self._head is None else [self._head]
     while not self._waiting.empty():
       waiting.append(self._waiting.get())
     for h in [h for h in self._owner if h is not None] + waiting:
@@ -457,13 +524,19 @@ class Engine:
         if h is not None and h.cancelled:
           self._owner[b], release[b] = None, True
           self.released += 1
+          if self._paging is not None:
+            self._paging.free(b, h.id)
       self._admit(release)
       if self.active:
         # Released slots are in the step too, so their rows get marked done.
         busy = 1 + max(b for b in range(self.slots) if self._owner[b] is not None or release[b])
         n = self.batch_bucket(busy)
+        if self._paging is not None:
+          for b, h in enumerate(self._owner):
+            if h is not None:
+              self._paging.reserve(b, h.id, len(h.prompt) + h.num_tokens)
         rows, report = self._exes["step", n](self._states, self._slots_state,
-                                             jax.device_put(release))
+                                             jax.device_put(release), self._tables())
         release = np.zeros((self.slots,), bool)
         self._slots_state = rows
         self.steps += 1
@@ -482,14 +555,20 @@ class Engine:
     for b in range(self.slots):
       if self._owner[b] is not None:
         continue
-      h = None
-      while not self._waiting.empty():
-        h = self._waiting.get()
-        if not h.cancelled:
-          break
+      h, self._head = self._head, None
+      if h is not None and h.cancelled:
         h = None
+      while h is None and not self._waiting.empty():
+        h = self._waiting.get()
+        if h.cancelled:
+          h = None
       if h is None:
         return
+      if self._paging is not None:
+        if not self._paging.fits(len(h.prompt), h.max_tokens):
+          self._head = h  # first in line: admitted as soon as finished requests free blocks
+          return
+        self._paging.admit(b, h.id, h.prompt, h.max_tokens)
       if h.prompt_logprobs:  # a forward of its own: the insert program keeps one shape
         h.prompt_result = plain.prompt_logprobs(self.model, h.prompt, h.logprobs or 0)
       exe = self._exes[self.bucket(len(h.prompt))]
@@ -511,6 +590,9 @@ class Engine:
       done = bool(report["done"][b])
       tokens = report["window"][b, :n].tolist()
       h.num_tokens += n
+      if self._paging is not None:
+        h.output.extend(tokens)
+        self._paging.commit(h.id, h.prompt + h.output)
       reason = None
       if done:
         h.finished = True
@@ -521,6 +603,8 @@ class Engine:
         reason = "stop" if tokens and tokens[-1] in h.stop_ids else "length"
         if self._owner[b] is h:
           self._owner[b] = None
+          if self._paging is not None:
+            self._paging.free(b, h.id)
       if n or done:
         logprobs = None if h.logprobs is None else sampling.logprob_lists(
             *(report[name][b] for name in LOGPROB_FIELDS), n, h.logprobs)

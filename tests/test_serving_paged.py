@@ -1,0 +1,183 @@
+"""Engine(kv_layout="paged"): token-for-token the contiguous engine's output (plain decoding,
+EAGLE-3 chains K = 1..5, a tree; bf16 and FP8 KV) with prompts + outputs past 3 chunks of the
+embedded model (chunk 128) and more requests than slots; the host bookkeeping (maverick/serving/
+paging.py) leaves every block free once idle after random requests and cancellations."""
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import maverick
+import spec_decode
+from maverick.quant import config as quant_config
+from maverick.quant import convert
+from maverick.serving import Engine, blocks, paging
+from spec_decode.tree import TreeShape
+from test_serving_engine import WAIT_S, _assert_on_device, _run
+
+BS = 32  # blocks per 128-token chunk: 4
+
+
+@pytest.fixture(scope="module")
+def loaded():
+  return maverick.load("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(loaded):
+  return spec_decode.load_draft("tiny", loaded.model)
+
+
+def _prompts(loaded):
+  """Python source from the training domain (drafts get accepted), the longest past 3 chunks."""
+  tok = loaded.tokenizer
+  text = open(maverick.__file__.replace("__init__.py", "generation.py")).read()
+  ids = tok.encode(text)
+  assert len(ids) > 800
+  return [ids[:300], ids[400:800], ids[100:250]], [110, 60, 50]
+
+
+def _engines(model, draft, layout_kw, **kw):
+  """The engine with one prompt bucket and one batch bucket (few compiles), capacity a whole
+  number of blocks, so both layouts run attention over the same shapes."""
+  slack = 1 if draft is None else (kw["tree"].cache_slack if "tree" in kw else kw["k"] + 1)
+  max_seq_len = 512 - slack
+  return Engine(model, draft, slots=2, max_seq_len=max_seq_len, rounds=4, min_bucket=512,
+                batch_buckets=[2], stop_tokens=[], **layout_kw, **kw)
+
+
+SETTINGS = [("plain", None, {})] + [(f"k{k}", "bf16", dict(k=k)) for k in range(1, 6)] + [
+    ("tree", "bf16", dict(tree=TreeShape(3, 2, 5)))]
+
+
+def _compare(model, draft, prompts, max_tokens, **kw):
+  outs, engines = {}, {}
+  for layout in ("contiguous", "paged"):
+    layout_kw = {} if layout == "contiguous" else dict(kv_layout="paged", block_size=BS)
+    e = _engines(model, draft, layout_kw, **kw)
+    e.compile()
+    e.start()
+    try:
+      outs[layout] = _run(e, prompts, max_tokens)
+    finally:
+      e.shutdown()
+    engines[layout] = e
+  assert outs["paged"] == outs["contiguous"]
+  paged = engines["paged"]
+  assert paged.capacity == engines["contiguous"].capacity and paged.capacity % BS == 0
+  assert paged._paging.idle()  # every block back once idle
+  assert max(len(p) + n for p, n in zip(prompts, max_tokens)) > 3 * 128
+  return paged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,draft_kind,kw", SETTINGS, ids=[s[0] for s in SETTINGS])
+def test_paged_engine_equals_contiguous(loaded, tiny_draft, name, draft_kind, kw):
+  prompts, max_tokens = _prompts(loaded)
+  draft = None if draft_kind is None else tiny_draft
+  paged = _compare(loaded.model, draft, prompts, max_tokens, **kw)
+  _assert_on_device(paged)
+  if draft is not None:
+    assert paged.spec_accepted > paged.spec_rounds  # drafts were accepted: multi-token advances
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["plain", "k3", "tree"])
+def test_paged_engine_fp8_kv_equals_contiguous(loaded, spec):
+  model = convert.quantize_model(loaded.model, quant_config.QuantConfig(weights=None,
+                                                                        kv_cache="fp8"))
+  prompts, max_tokens = _prompts(loaded)
+  kw = {"plain": {}, "k3": dict(k=3), "tree": dict(tree=TreeShape(3, 2, 5))}[spec]
+  draft = None if spec == "plain" else spec_decode.load_draft("tiny", model)
+  paged = _compare(model, draft, prompts, max_tokens, **kw)
+  cache = paged._slots_state["cache"]
+  assert cache.quantized and cache.k[0].shape[1] == BS
+
+
+# ------------------------------------------------------------------------------------------------
+# Host bookkeeping without a device
+# ------------------------------------------------------------------------------------------------
+def test_paged_kv_host_bookkeeping_random_requests_and_cancellations(loaded):
+  """A simulated engine loop (lagging reports, reserve ahead, chunk-local release, random
+  cancellations, admission by blocks) over many requests on a small pool: reservations never
+  fail, every position a call may write is reserved, no chunk-local block a query can see is
+  released, and every block is free at the end."""
+  cfg = loaded.model.config
+  slots, capacity, advance, slack, lag = 4, 512, 9, 3, 4
+  pg = paging.PagedKV(cfg, slots, capacity, block_size=BS, num_blocks=40, advance=advance,
+                      slack=slack, lag=lag, draft=True)
+  assert pg.layer_table == tuple(int(cfg.is_chunked(i)) for i in range(cfg.num_hidden_layers))
+  rng = random.Random(0)
+  owner = [None] * slots
+  waiting = []
+  admitted = finished = cancelled = 0
+  rid = 0
+  for step in range(400):
+    if rng.random() < 0.5 and len(waiting) < 6:
+      n = rng.randint(1, 300)
+      waiting.append(dict(id=rid, prompt=[rng.randrange(4096) for _ in range(n)],
+                          max_tokens=rng.randint(1, 511 - slack - n), out=[], dev=n))
+      rid += 1
+    for b, r in enumerate(owner):
+      if r is not None and rng.random() < 0.03:  # cancelled
+        pg.free(b, r["id"])
+        owner[b] = None
+        cancelled += 1
+    for b in range(slots):
+      if owner[b] is None and waiting:
+        r = waiting[0]
+        assert pg.never_fits(len(r["prompt"]), r["max_tokens"]) is None
+        if not pg.fits(len(r["prompt"]), r["max_tokens"]):
+          break
+        waiting.pop(0)
+        pg.admit(b, r["id"], r["prompt"], r["max_tokens"])
+        owner[b] = r
+        admitted += 1
+    for b, r in enumerate(owner):  # before the call: reserve from what the host has seen
+      if r is not None:
+        pg.reserve(b, r["id"], len(r["prompt"]) + len(r["out"]))
+    for b, r in enumerate(owner):  # the call: writes up to `advance` tokens + slack past dev
+      if r is None:
+        continue
+      limit = len(r["prompt"]) + r["max_tokens"]
+      new = min(rng.randint(1, advance), limit - r["dev"])
+      top = r["dev"] + new + slack  # positions dev .. top-1 written
+      table = pg.tables[b]
+      for p in range(r["dev"], top):
+        assert table[0, p // BS] != blocks.NO_BLOCK, (step, b, p)
+        assert table[1, p // BS] != blocks.NO_BLOCK, (step, b, p)
+      lo = (r["dev"] // 128) * 128  # every query of the call sees from its chunk's start
+      assert all(table[1, j] != blocks.NO_BLOCK for j in range(lo // BS, r["dev"] // BS + 1))
+      r["dev"] += new
+      r.setdefault("flight", []).append([rng.randrange(4096) for _ in range(new)])
+    for b, r in enumerate(owner):  # a call's report is read after the next call is dispatched
+      if r is None or len(r["flight"]) < 2:
+        continue
+      r["out"] += r["flight"].pop(0)
+      pg.commit(r["id"], r["prompt"] + r["out"])
+      if len(r["out"]) >= r["max_tokens"] or rng.random() < 0.02:
+        pg.free(b, r["id"])
+        owner[b] = None
+        finished += 1
+  for b, r in enumerate(owner):
+    if r is not None:
+      pg.free(b, r["id"])
+  assert admitted > 40 and cancelled > 3 and finished > 30, (admitted, cancelled, finished)
+  assert pg.idle() and np.all(pg.tables == blocks.NO_BLOCK)
+
+
+def test_paged_engine_bad_arguments_and_oversized_requests(loaded):
+  with pytest.raises(ValueError, match="kv_layout must be 'contiguous' or 'paged'"):
+    Engine(loaded.model, kv_layout="pages")
+  with pytest.raises(ValueError, match="pass kv_layout='paged'"):
+    Engine(loaded.model, num_blocks=8)
+  with pytest.raises(ValueError, match="num_blocks >= 1"):
+    Engine(loaded.model, kv_layout="paged", num_blocks=0)
+  e = Engine(loaded.model, slots=2, max_seq_len=256, kv_layout="paged", num_blocks=3,
+             block_size=BS)
+  with pytest.raises(maverick.serving.RequestError, match="needs up to 6 KV blocks of 32 tokens "
+                     "but the pool has 3"):
+    e.submit([1] * 100, lambda ev: None, max_tokens=60)
