@@ -37,7 +37,8 @@ def _prompts(loaded):
   text = open(maverick.__file__.replace("__init__.py", "generation.py")).read()
   ids = tok.encode(text)
   assert len(ids) > 800
-  return [ids[:300], ids[400:800], ids[100:250]], [110, 60, 50]
+  # 370 + 40: decoding crosses the chunk boundary at 384 (and block boundaries on the way)
+  return [ids[:370], ids[400:650], ids[100:220]], [40, 30, 30]
 
 
 def _engines(model, draft, layout_kw, **kw):
@@ -95,6 +96,49 @@ def test_paged_engine_fp8_kv_equals_contiguous(loaded, spec):
   paged = _compare(model, draft, prompts, max_tokens, **kw)
   cache = paged._slots_state["cache"]
   assert cache.quantized and cache.k[0].shape[1] == BS
+
+
+PREFIX = [("plain", None, {}), ("k3", "bf16", dict(k=3)),
+          ("tree", "bf16", dict(tree=TreeShape(3, 2, 5)))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,draft_kind,kw", PREFIX, ids=[s[0] for s in PREFIX])
+def test_prefix_cache_hits_skip_the_shared_prefill_and_keep_the_output(loaded, tiny_draft, name,
+                                                                        draft_kind, kw):
+  """Requests sharing a 300-token prefix (past 2 chunks) one after another, then again: every
+  output equals the contiguous engine's; the later ones hit the cache (their prefill starts at
+  the hit, in a smaller prompt bucket), with a draft one block short of the shared part."""
+  ids, _ = _prompts(loaded)
+  shared = ids[0][:300]
+  tails = [[7, 8, 9], ids[1][:40], [11] * 5, ids[2][:20]]
+  prompts = [shared + t for t in tails]
+  draft = None if draft_kind is None else tiny_draft
+  outs = {}
+  for layout in ("contiguous", "paged"):
+    layout_kw = {} if layout == "contiguous" else dict(kv_layout="paged", block_size=BS,
+                                                      prefix_cache=True)
+    e = Engine(loaded.model, draft, slots=2, max_seq_len=512 - (1 if draft is None else 6),
+               rounds=4, min_bucket=64, batch_buckets=[2], stop_tokens=[], **layout_kw, **kw)
+    e.compile()
+    buckets = []
+    for b in e.buckets:
+      exe = e._exes[b]
+      e._exes[b] = lambda *a, exe=exe, b=b: buckets.append(b) or exe(*a)
+    e.start()
+    try:
+      outs[layout] = [_run(e, [p], [24])[0] for p in prompts + prompts[:1]]
+    finally:
+      e.shutdown()
+  assert outs["paged"] == outs["contiguous"]
+  pg = e._paging
+  hit = 288 if draft is None else 256  # whole blocks of the shared 300 (a draft: one fewer)
+  assert pg.cached_tokens == hit * len(prompts)  # every request after the first
+  # Prefills only from the hit on: the first in the whole prompt's bucket, later ones in smaller.
+  assert buckets == [e.bucket(len(p) - (hit if i else 0))
+                     for i, p in enumerate(prompts + prompts[:1])]
+  assert max(buckets[1:]) < buckets[0]
+  assert e.kv_stats()["prefix_hit_rate"] > 0.5 and pg.idle()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,8 +220,13 @@ def test_paged_engine_bad_arguments_and_oversized_requests(loaded):
     Engine(loaded.model, num_blocks=8)
   with pytest.raises(ValueError, match="num_blocks >= 1"):
     Engine(loaded.model, kv_layout="paged", num_blocks=0)
+  assert Engine(loaded.model, slots=2, max_seq_len=256).kv_stats() == {"kv_layout": "contiguous"}
   e = Engine(loaded.model, slots=2, max_seq_len=256, kv_layout="paged", num_blocks=3,
              block_size=BS)
+  assert e.kv_stats() == {"kv_layout": "paged", "block_size": BS, "prefix_hit_rate": 0.0,
+                          "global_blocks_free": 3,
+                          "chunked_blocks_free": 3, "global_blocks_used": 0,
+                          "chunked_blocks_used": 0}
   with pytest.raises(maverick.serving.RequestError, match="needs up to 6 KV blocks of 32 tokens "
                      "but the pool has 3"):
     e.submit([1] * 100, lambda ev: None, max_tokens=60)

@@ -111,7 +111,10 @@ class Engine:
   kv_layout: "contiguous" (each slot a row of the cache) or "paged" (KV blocks of `block_size`
   positions from pools of `num_blocks` blocks shared by all slots, default slots x the blocks of a
   row, so no more memory than contiguous; admission by free blocks, chunk-local layers release
-  blocks their queries can no longer see; see maverick/serving/paging.py).
+  blocks their queries can no longer see; see maverick/serving/paging.py). prefix_cache (paged):
+  full blocks of committed tokens are kept (LRU) and shared by later prompts that start with the
+  same tokens, whose prefill then starts after them (prefills attend to the cache: the programs
+  differ from the no-prefix-cache engine's).
   """
 
   def __init__(self, model, draft=None, *, k: int = 3, tree=None, slots: int = 8,
@@ -120,12 +123,15 @@ class Engine:
                pad_id: int | None = None, min_bucket: int = plain.MIN_BUCKET,
                batch_buckets: Sequence[int] | None = None,
                max_logit_bias: int = sampling.MAX_LOGIT_BIAS, kv_layout: str = "contiguous",
-               num_blocks: int | None = None, block_size: int = blocks.DEFAULT_BLOCK_SIZE):
+               num_blocks: int | None = None, block_size: int = blocks.DEFAULT_BLOCK_SIZE,
+               prefix_cache: bool = False):
     cfg = model.config
     if kv_layout not in ("contiguous", "paged"):
       raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
-    if num_blocks is not None and kv_layout != "paged":
-      raise ValueError("num_blocks sizes a paged KV pool: pass kv_layout='paged' with it")
+    if (num_blocks is not None or prefix_cache) and kv_layout != "paged":
+      raise ValueError("num_blocks and prefix_cache need the paged KV layout: pass "
+                       "kv_layout='paged' with them")
+    self.prefix_cache = bool(prefix_cache)
     if slots < 1 or rounds < 1:
       raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
     if not 2 <= max_seq_len <= cfg.max_position_embeddings:
@@ -155,7 +161,8 @@ class Engine:
       self._paging = paging.PagedKV(
           cfg, slots, self.capacity, block_size=block_size,
           num_blocks=slots * per_row if num_blocks is None else num_blocks,
-          advance=self.window, slack=slack, lag=self.width + 2, draft=draft is not None)
+          advance=self.window, slack=slack, lag=self.width + 2, draft=draft is not None,
+          prefix_cache=prefix_cache)
     self.buckets = []
     b = min_bucket
     while b < max_seq_len:
@@ -248,10 +255,12 @@ class Engine:
     return dict(rows, **caches)
 
   def _new_row(self, states, prompt, length, params, stop_ids, max_tokens, cache=None,
-               dcache=None):
+               dcache=None, suffix=None, start=None):
     """One request's row (batch 1): prefill, first token, (draft prefill and candidates). The
     row's random stream is its own (params.seed): no key is shared between slots. cache, dcache:
-    paged one-row caches to prefill into (the pools of every slot, this row's tables)."""
+    paged one-row caches to prefill into (the pools of every slot, this row's tables). With the
+    prefix cache: `prompt` is the whole prompt (for the repetition penalty's marks), `suffix` the
+    prompt from `start` [1] on, the part to prefill (the blocks before are shared)."""
     target, draft = self._models(states)
     req = plain.Request(prompt=prompt, prompt_lengths=length, max_new_tokens=max_tokens,
                         stop_ids=stop_ids, sampling=params)
@@ -262,8 +271,10 @@ class Engine:
                                                    self.pad_id, lp)
     row = dict(params=params, stop_ids=stop_ids, max_tokens=max_tokens,
                emitted=jnp.zeros((1,), jnp.int32))
+    if suffix is not None:
+      req = dataclasses.replace(req, prompt=suffix)
     if draft is None:
-      out, cache = plain.prefill(target, req, self.capacity, cache=cache)
+      out, cache = plain.prefill(target, req, self.capacity, cache=cache, start=start)
       token, logprobs = sampling.sample(out.logits, params, result, stop_ids)
       result = stop(result, token[:, None], jnp.ones((1,), jnp.int32), logprobs)
       return dict(row, token=token, cache=cache, result=result)
@@ -271,7 +282,7 @@ class Engine:
                                 k=self.k, tree=self.tree)
     x0, L, result, cand, cache, dcache, stats = spec.spec_prefill(
         target, draft, propose, req, self.capacity, result, stop, self.width, cache=cache,
-        dcache=dcache)
+        dcache=dcache, start=start)
     return dict(row, x0=x0, L=L, result=result, cand=cand, cache=cache, dcache=dcache,
                 stats=stats)
 
@@ -292,10 +303,12 @@ class Engine:
     rows["params"] = sampling.default_params(B, self.max_logit_bias)
     return self._constrain(rows)
 
-  def _insert(self, states, rows, slot, prompt, length, params, stop_ids, max_tokens, tables):
-    """tables [1, P, M]: the new row's block tables (paged), else None."""
+  def _insert(self, states, rows, slot, prompt, length, params, stop_ids, max_tokens, tables,
+              suffix=None, start=None):
+    """tables [1, P, M]: the new row's block tables (paged), else None; suffix, start: see
+    _new_row (prefix cache)."""
     new = self._new_row(states, prompt, length, params, stop_ids, max_tokens,
-                        *self._paged_rows(rows, tables))
+                        *self._paged_rows(rows, tables), suffix=suffix, start=start)
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype),
                                                                  slot, axis=0)
     return self._constrain(self._map_rows(put, rows, new))
@@ -370,15 +383,23 @@ class Engine:
       self._exes[b] = insert.lower(self._states, rows, *args).compile()
     return time.perf_counter() - start
 
-  def _host_args(self, slot, prompt, params, stop_ids, max_tokens):
-    b = self.bucket(len(prompt))
-    padded = np.zeros((1, b), np.int32)
-    padded[0, :len(prompt)] = prompt
+  def _host_args(self, slot, prompt, params, stop_ids, max_tokens, start: int = 0):
+    """The insert program's arguments; its bucket is that of prompt[start:] (the part to
+    prefill; with the prefix cache the whole prompt goes along padded to max_seq_len)."""
+    def padded(tokens, width):
+      out = np.zeros((1, width), np.int32)
+      out[0, :len(tokens)] = tokens
+      return out
     stop = np.full((1, self.max_stop_ids), plain.NO_STOP, np.int32)
     stop[0, :len(stop_ids)] = stop_ids
     put = jax.device_put
-    return (put(np.int32(slot)), put(padded), put(np.array([len(prompt)], np.int32)), params,
+    suffix = padded(prompt[start:], self.bucket(len(prompt) - start))
+    whole = suffix if not self.prefix_cache else padded(prompt, self.max_seq_len)
+    args = (put(np.int32(slot)), put(whole), put(np.array([len(prompt)], np.int32)), params,
             put(stop), put(np.array([max_tokens], np.int32)), self._tables(slot))
+    if self.prefix_cache:
+      args += (put(suffix), put(np.array([start], np.int32)))
+    return args
 
   def _tables(self, slot: int | None = None):
     """The host's block tables on the device: all slots, or one slot's [1, P, M]; None when the
@@ -493,6 +514,13 @@ class Engine:
     if self._thread is not None:
       self._thread.join(timeout)
 
+  def kv_stats(self) -> dict:
+    """The KV layout and, paged, each pool's blocks used / free (evictable cached ones count as
+    free) and the block size: what /health reports."""
+    if self._paging is None:
+      return {"kv_layout": "contiguous"}
+    return {"kv_layout": "paged", "block_size": self._paging.block_size, **self._paging.stats()}
+
   @property
   def active(self) -> int:
     return sum(h is not None for h in self._owner)
@@ -568,11 +596,13 @@ class Engine:
         if not self._paging.fits(len(h.prompt), h.max_tokens):
           self._head = h  # first in line: admitted as soon as finished requests free blocks
           return
-        self._paging.admit(b, h.id, h.prompt, h.max_tokens)
+        start = self._paging.admit(b, h.id, h.prompt, h.max_tokens)
+      else:
+        start = 0
       if h.prompt_logprobs:  # a forward of its own: the insert program keeps one shape
         h.prompt_result = plain.prompt_logprobs(self.model, h.prompt, h.logprobs or 0)
-      exe = self._exes[self.bucket(len(h.prompt))]
-      args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens)
+      exe = self._exes[self.bucket(len(h.prompt) - start)]
+      args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens, start)
       self._slots_state = exe(self._states, self._slots_state, *args)
       self._owner[b], release[b] = h, False
       h.admitted = time.perf_counter()

@@ -49,7 +49,7 @@ class PagedKV:
   the known length."""
 
   def __init__(self, cfg, slots: int, capacity: int, *, block_size: int, num_blocks: int,
-               advance: int, slack: int, lag: int, draft: bool):
+               advance: int, slack: int, lag: int, draft: bool, prefix_cache: bool = False):
     if block_size < 1 or num_blocks < 1:
       raise ValueError(f"a paged KV cache needs block_size >= 1 and num_blocks >= 1, got "
                        f"block_size={block_size}, num_blocks={num_blocks}")
@@ -66,7 +66,9 @@ class PagedKV:
     if local:
       pools[blocks.CHUNKED] = blocks.BlockPool(num_blocks, block_size)
     self.names = list(pools)  # table index t of PagedKVCache = pool self.names[t]
-    self.mgr = _NoPrefixManager(pools, chunk_size=chunk if local else None, draft=draft)
+    manager = blocks.BlockManager if prefix_cache else _NoPrefixManager
+    self.mgr = manager(pools, chunk_size=chunk if local else None, draft=draft)
+    self.prompt_tokens = self.cached_tokens = 0  # over admitted requests: the prefix hit rate
     self.chunk = chunk if local else None
     self.ahead = 1 + 2 * advance + slack
     self.slack, self.lag = slack, lag
@@ -107,12 +109,16 @@ class PagedKV:
               f"tokens but the pool has {self.num_blocks}: lower max_tokens or shorten the prompt")
     return None
 
-  def admit(self, slot: int, rid, prompt, max_tokens: int) -> None:
-    """Allocates the prompt's blocks (and the first call's) and fills the slot's table."""
-    self.mgr.admit(rid, prompt)
+  def admit(self, slot: int, rid, prompt, max_tokens: int) -> int:
+    """Allocates the prompt's blocks (and the first call's) and fills the slot's table. Returns
+    the prompt tokens the prefix cache holds (the device prefills the rest)."""
+    cached = self.mgr.admit(rid, prompt)
+    self.prompt_tokens += len(prompt)
+    self.cached_tokens += cached
     self._worst[rid] = self.worst(len(prompt), max_tokens)
     self._limit[rid] = min(len(prompt) + max_tokens + self.slack, self.max_blocks * self.block_size)
     self.reserve(slot, rid, len(prompt))
+    return cached
 
   def reserve(self, slot: int, rid, known: int) -> None:
     """Blocks for every position the next call may write (`known`: the length the host has seen,
@@ -144,8 +150,10 @@ class PagedKV:
 
   def stats(self) -> dict:
     pools = self.mgr.pools
-    return {f"{name}_blocks_free": p.available for name, p in pools.items()} | {
-        f"{name}_blocks_used": p.num_blocks - p.available for name, p in pools.items()}
+    rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+    free = {f"{name}_blocks_free": p.available for name, p in pools.items()}
+    used = {f"{name}_blocks_used": p.num_blocks - p.available for name, p in pools.items()}
+    return {"prefix_hit_rate": rate, **free, **used}
 
   def idle(self) -> bool:
     """Every block free (or cached, unreferenced) and no request held."""
