@@ -141,6 +141,60 @@ def test_prefix_cache_hits_skip_the_shared_prefill_and_keep_the_output(loaded, t
   assert e.kv_stats()["prefix_hit_rate"] > 0.5 and pg.idle()
 
 
+@pytest.mark.slow
+def test_paged_engine_small_pool_random_cancellations_frees_every_block(loaded, tiny_draft):
+  """24 requests of random lengths on a pool a third of the contiguous size (requests wait for
+  blocks), a third of them cancelled at random points from their callbacks: the others' outputs
+  equal a contiguous engine's, and once idle every block is free and every table empty."""
+  rng = random.Random(1)
+  ids, _ = _prompts(loaded)
+  reqs = [(ids[0][rng.randrange(100):][:rng.randint(5, 200)], rng.randint(1, 40),
+           rng.random() < 0.33, rng.randint(0, 3)) for _ in range(24)]
+  kw = dict(slots=3, max_seq_len=251, rounds=2, min_bucket=256, batch_buckets=[3],
+            stop_tokens=[], k=2)
+  ref = Engine(loaded.model, tiny_draft, **kw)
+  ref.compile()
+  ref.start()
+  try:
+    want = _run(ref, [r[0] for r in reqs if not r[2]], [r[1] for r in reqs if not r[2]])
+  finally:
+    ref.shutdown()
+  e = Engine(loaded.model, tiny_draft, kv_layout="paged", block_size=BS,
+             num_blocks=ref.slots * 8 // 3, prefix_cache=True, **kw)
+  e.compile()
+  e.start()
+  got, done = {}, threading.Event()
+  left = [len(reqs)]
+  lock = threading.Lock()
+  handles = {}  # a callback may run before submit returns: it cancels once its handle is here
+
+  def finish():
+    with lock:
+      left[0] -= 1
+      if not left[0]:
+        done.set()
+  try:
+    for i, (prompt, n, cancel, after) in enumerate(reqs):
+      got[i] = []
+      def on_event(ev, i=i, cancel=cancel, after=after):
+        got[i].extend(ev.tokens)
+        if cancel and not ev.done and len(got[i]) >= after and i in handles:
+          e.cancel(handles[i])
+          finish()
+        elif ev.done:
+          finish()
+      handles[i] = e.submit(prompt, on_event, max_tokens=n)
+    assert done.wait(WAIT_S) and e.error is None
+    deadline = time.monotonic() + 60
+    while (e.active or e._head is not None) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    time.sleep(0.5)  # the last step's results
+  finally:
+    e.shutdown()
+  assert [got[i] for i, r in enumerate(reqs) if not r[2]] == want
+  assert e.released > 0 and e._paging.idle() and np.all(e._paging.tables == blocks.NO_BLOCK)
+
+
 # ------------------------------------------------------------------------------------------------
 # Host bookkeeping without a device
 # ------------------------------------------------------------------------------------------------
