@@ -195,6 +195,39 @@ def test_paged_engine_small_pool_random_cancellations_frees_every_block(loaded, 
   assert e.released > 0 and e._paging.idle() and np.all(e._paging.tables == blocks.NO_BLOCK)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["plain", "k2"])
+def test_preemption_when_the_pool_runs_dry_keeps_the_output(loaded, tiny_draft, spec):
+  """Three requests that fit the pool when admitted but not once they have grown: the youngest is
+  preempted (its blocks freed, requeued, its prompt + tokens so far recomputed later), and every
+  output, greedy and seeded sampling (plain decoding), equals the contiguous engine's."""
+  ids, _ = _prompts(loaded)
+  prompts = [ids[0][:100], ids[1][:110], ids[2][:90], ids[0][200:230]]
+  sampled = spec == "plain"
+  options = [dict(temperature=0.9, seed=5) if sampled else {}, {},
+             dict(temperature=0.7, top_p=0.9, seed=11) if sampled else {}, {}]
+  max_tokens = [120, 110, 130, 40]
+  draft = tiny_draft if spec == "k2" else None
+  kw = dict(slots=3, max_seq_len=251, rounds=2, min_bucket=256, batch_buckets=[3],
+            stop_tokens=[], **(dict(k=2) if draft else {}))
+  outs = {}
+  for layout in ("contiguous", "paged"):
+    layout_kw = {} if layout == "contiguous" else dict(kv_layout="paged", block_size=BS,
+                                                      num_blocks=13, preemption=True)
+    e = Engine(loaded.model, draft, **layout_kw, **kw)
+    e.compile()
+    e.start()
+    try:
+      outs[layout] = _run(e, prompts, max_tokens, options)
+    finally:
+      e.shutdown()
+  assert outs["paged"] == outs["contiguous"]
+  assert [len(o) for o in outs["paged"]] == max_tokens
+  assert e.preemptions > 0 and e.kv_stats()["preemptions"] == e.preemptions
+  time.sleep(0.5)
+  assert e._paging.idle()
+
+
 # ------------------------------------------------------------------------------------------------
 # Host bookkeeping without a device
 # ------------------------------------------------------------------------------------------------
@@ -277,7 +310,8 @@ def test_paged_engine_bad_arguments_and_oversized_requests(loaded):
   assert Engine(loaded.model, slots=2, max_seq_len=256).kv_stats() == {"kv_layout": "contiguous"}
   e = Engine(loaded.model, slots=2, max_seq_len=256, kv_layout="paged", num_blocks=3,
              block_size=BS)
-  assert e.kv_stats() == {"kv_layout": "paged", "block_size": BS, "prefix_hit_rate": 0.0,
+  assert e.kv_stats() == {"kv_layout": "paged", "block_size": BS, "preemptions": 0,
+                          "prefix_hit_rate": 0.0,
                           "global_blocks_free": 3,
                           "chunked_blocks_free": 3, "global_blocks_used": 0,
                           "chunked_blocks_used": 0}

@@ -27,6 +27,7 @@ the host.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -124,14 +125,14 @@ class Engine:
                batch_buckets: Sequence[int] | None = None,
                max_logit_bias: int = sampling.MAX_LOGIT_BIAS, kv_layout: str = "contiguous",
                num_blocks: int | None = None, block_size: int = blocks.DEFAULT_BLOCK_SIZE,
-               prefix_cache: bool = False):
+               prefix_cache: bool = False, preemption: bool = False):
     cfg = model.config
     if kv_layout not in ("contiguous", "paged"):
       raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
-    if (num_blocks is not None or prefix_cache) and kv_layout != "paged":
-      raise ValueError("num_blocks and prefix_cache need the paged KV layout: pass "
+    if (num_blocks is not None or prefix_cache or preemption) and kv_layout != "paged":
+      raise ValueError("num_blocks, prefix_cache and preemption need the paged KV layout: pass "
                        "kv_layout='paged' with them")
-    self.prefix_cache = bool(prefix_cache)
+    self.prefix_cache, self.preemption = bool(prefix_cache), bool(preemption)
     if slots < 1 or rounds < 1:
       raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
     if not 2 <= max_seq_len <= cfg.max_position_embeddings:
@@ -162,7 +163,7 @@ class Engine:
           cfg, slots, self.capacity, block_size=block_size,
           num_blocks=slots * per_row if num_blocks is None else num_blocks,
           advance=self.window, slack=slack, lag=self.width + 2, draft=draft is not None,
-          prefix_cache=prefix_cache)
+          prefix_cache=prefix_cache, worst_case=not preemption)
     self.buckets = []
     b = min_bucket
     while b < max_seq_len:
@@ -184,6 +185,8 @@ class Engine:
     self._owner: list[Handle | None] = [None] * slots
     self._waiting: queue.SimpleQueue = queue.SimpleQueue()
     self._head: Handle | None = None  # taken from _waiting, waiting for KV blocks (paged)
+    self._preempted: collections.deque = collections.deque()  # youngest first (paged)
+    self.preemptions = 0
     self._wake = threading.Event()
     self._ids = itertools.count()
     self._thread: threading.Thread | None = None
@@ -255,15 +258,20 @@ class Engine:
     return dict(rows, **caches)
 
   def _new_row(self, states, prompt, length, params, stop_ids, max_tokens, cache=None,
-               dcache=None, suffix=None, start=None):
+               dcache=None, suffix=None, start=None, prior=None, num_prior=None,
+               prompt_length=None):
     """One request's row (batch 1): prefill, first token, (draft prefill and candidates). The
     row's random stream is its own (params.seed): no key is shared between slots. cache, dcache:
     paged one-row caches to prefill into (the pools of every slot, this row's tables). With the
-    prefix cache: `prompt` is the whole prompt (for the repetition penalty's marks), `suffix` the
-    prompt from `start` [1] on, the part to prefill (the blocks before are shared)."""
+    paged cache: `prompt` is the whole prompt of `prompt_length` (the repetition penalty's marks),
+    `prior` the first `num_prior` tokens the request produced before it was preempted (the row
+    starts with them: token indices, random streams and penalty counts go on as if it had never
+    stopped), `length` = prompt_length + num_prior and `suffix` those tokens from `start` [1] on,
+    the part to prefill (the blocks before are shared prefix-cache blocks)."""
     target, draft = self._models(states)
-    req = plain.Request(prompt=prompt, prompt_lengths=length, max_new_tokens=max_tokens,
-                        stop_ids=stop_ids, sampling=params)
+    req = plain.Request(prompt=prompt, prompt_lengths=length if prompt_length is None
+                        else prompt_length, max_new_tokens=max_tokens, stop_ids=stop_ids,
+                        sampling=params)
     cols = self.max_seq_len + self.window
     result = plain.init_output(self.config, req, 1, cols - (self.width + 1), self.width + 1,
                                self.pad_id)
@@ -272,7 +280,9 @@ class Engine:
     row = dict(params=params, stop_ids=stop_ids, max_tokens=max_tokens,
                emitted=jnp.zeros((1,), jnp.int32))
     if suffix is not None:
-      req = dataclasses.replace(req, prompt=suffix)
+      result = sampling.append(result, prior, num_prior, stop_ids, max_tokens, self.pad_id)
+      row["emitted"] = num_prior
+      req = dataclasses.replace(req, prompt=suffix, prompt_lengths=length)
     if draft is None:
       out, cache = plain.prefill(target, req, self.capacity, cache=cache, start=start)
       token, logprobs = sampling.sample(out.logits, params, result, stop_ids)
@@ -304,11 +314,12 @@ class Engine:
     return self._constrain(rows)
 
   def _insert(self, states, rows, slot, prompt, length, params, stop_ids, max_tokens, tables,
-              suffix=None, start=None):
-    """tables [1, P, M]: the new row's block tables (paged), else None; suffix, start: see
-    _new_row (prefix cache)."""
+              suffix=None, start=None, prior=None, num_prior=None, prompt_length=None):
+    """tables [1, P, M]: the new row's block tables (paged), else None; the rest: see
+    _new_row (paged)."""
     new = self._new_row(states, prompt, length, params, stop_ids, max_tokens,
-                        *self._paged_rows(rows, tables), suffix=suffix, start=start)
+                        *self._paged_rows(rows, tables), suffix=suffix, start=start, prior=prior,
+                        num_prior=num_prior, prompt_length=prompt_length)
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype),
                                                                  slot, axis=0)
     return self._constrain(self._map_rows(put, rows, new))
@@ -383,9 +394,10 @@ class Engine:
       self._exes[b] = insert.lower(self._states, rows, *args).compile()
     return time.perf_counter() - start
 
-  def _host_args(self, slot, prompt, params, stop_ids, max_tokens, start: int = 0):
-    """The insert program's arguments; its bucket is that of prompt[start:] (the part to
-    prefill; with the prefix cache the whole prompt goes along padded to max_seq_len)."""
+  def _host_args(self, slot, prompt, params, stop_ids, max_tokens, start: int = 0, prior=()):
+    """The insert program's arguments; its bucket is that of (prompt + prior)[start:], the part
+    to prefill. Paged: the whole prompt (penalty marks) and `prior` (the tokens a preempted
+    request had produced, which the new row starts with) go along padded to max_seq_len."""
     def padded(tokens, width):
       out = np.zeros((1, width), np.int32)
       out[0, :len(tokens)] = tokens
@@ -393,12 +405,16 @@ class Engine:
     stop = np.full((1, self.max_stop_ids), plain.NO_STOP, np.int32)
     stop[0, :len(stop_ids)] = stop_ids
     put = jax.device_put
-    suffix = padded(prompt[start:], self.bucket(len(prompt) - start))
-    whole = suffix if not self.prefix_cache else padded(prompt, self.max_seq_len)
-    args = (put(np.int32(slot)), put(whole), put(np.array([len(prompt)], np.int32)), params,
+    context = list(prompt) + list(prior)
+    suffix = padded(context[start:], self.bucket(len(context) - start))
+    paged = self._paging is not None
+    whole = padded(prompt, self.max_seq_len) if paged else suffix
+    length = lambda n: put(np.array([n], np.int32))
+    args = (put(np.int32(slot)), put(whole), length(len(context)), params,
             put(stop), put(np.array([max_tokens], np.int32)), self._tables(slot))
-    if self.prefix_cache:
-      args += (put(suffix), put(np.array([start], np.int32)))
+    if paged:
+      args += (put(suffix), length(start), put(padded(prior, self.max_seq_len)),
+               length(len(prior)), length(len(prompt)))
     return args
 
   def _tables(self, slot: int | None = None):
@@ -516,10 +532,12 @@ class Engine:
 
   def kv_stats(self) -> dict:
     """The KV layout and, paged, each pool's blocks used / free (evictable cached ones count as
-    free) and the block size: what /health reports."""
+    free), the block size, the prefix hit rate (prompt tokens served from the prefix cache) and
+    preemptions: what /health reports."""
     if self._paging is None:
       return {"kv_layout": "contiguous"}
-    return {"kv_layout": "paged", "block_size": self._paging.block_size, **self._paging.stats()}
+    return {"kv_layout": "paged", "block_size": self._paging.block_size,
+            "preemptions": self.preemptions, **self._paging.stats()}
 
   @property
   def active(self) -> int:
@@ -555,14 +573,12 @@ class Engine:
           if self._paging is not None:
             self._paging.free(b, h.id)
       self._admit(release)
+      if self._paging is not None:
+        self._reserve(release)
       if self.active:
         # Released slots are in the step too, so their rows get marked done.
         busy = 1 + max(b for b in range(self.slots) if self._owner[b] is not None or release[b])
         n = self.batch_bucket(busy)
-        if self._paging is not None:
-          for b, h in enumerate(self._owner):
-            if h is not None:
-              self._paging.reserve(b, h.id, len(h.prompt) + h.num_tokens)
         rows, report = self._exes["step", n](self._states, self._slots_state,
                                              jax.device_put(release), self._tables())
         release = np.zeros((self.slots,), bool)
@@ -579,11 +595,32 @@ class Engine:
         self._wake.wait(0.05)
         self._wake.clear()
 
+  def _reserve(self, release: np.ndarray) -> None:
+    """Blocks for the next call's writes, oldest request first; when the pool runs dry
+    (preemption on), the youngest running request gives back all its blocks and is requeued."""
+    for h in sorted((h for h in self._owner if h is not None), key=lambda h: h.admitted):
+      while h in self._owner:
+        try:
+          self._paging.reserve(self._owner.index(h), h.id, len(h.prompt) + h.num_tokens)
+          break
+        except blocks.OutOfBlocks:
+          if not self.preemption:
+            raise
+          victim = max((v for v in self._owner if v is not None), key=lambda v: v.admitted)
+          b = self._owner.index(victim)
+          self._owner[b], release[b] = None, True
+          self._paging.free(b, victim.id)
+          self._preempted.appendleft(victim)
+          self.preemptions += 1
+
   def _admit(self, release: np.ndarray) -> None:
     for b in range(self.slots):
       if self._owner[b] is not None:
         continue
       h, self._head = self._head, None
+      while h is None and self._preempted:
+        h = self._preempted.popleft()
+        h = None if h.finished else h  # it finished in the call in flight when preempted
       if h is not None and h.cancelled:
         h = None
       while h is None and not self._waiting.empty():
@@ -593,16 +630,24 @@ class Engine:
       if h is None:
         return
       if self._paging is not None:
-        if not self._paging.fits(len(h.prompt), h.max_tokens):
+        # A preempted request resumes: prompt + its tokens so far are prefilled (recomputed).
+        context = h.prompt + h.output
+        if not self._paging.fits(len(context), h.max_tokens - len(h.output)):
           self._head = h  # first in line: admitted as soon as finished requests free blocks
           return
-        start = self._paging.admit(b, h.id, h.prompt, h.max_tokens)
+        try:
+          start = self._paging.admit(b, h.id, context, h.max_tokens - len(h.output))
+        except blocks.OutOfBlocks:  # a prefix hit on evictable blocks can need more than fits saw
+          self._paging.free(b, h.id)
+          self._head = h
+          return
       else:
         start = 0
-      if h.prompt_logprobs:  # a forward of its own: the insert program keeps one shape
+      if h.prompt_logprobs and h.num_tokens == 0:  # a forward of its own: one insert shape
         h.prompt_result = plain.prompt_logprobs(self.model, h.prompt, h.logprobs or 0)
-      exe = self._exes[self.bucket(len(h.prompt) - start)]
-      args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens, start)
+      exe = self._exes[self.bucket(len(h.prompt) + len(h.output) - start)]
+      args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens, start,
+                             h.output)
       self._slots_state = exe(self._states, self._slots_state, *args)
       self._owner[b], release[b] = h, False
       h.admitted = time.perf_counter()

@@ -49,7 +49,8 @@ class PagedKV:
   the known length."""
 
   def __init__(self, cfg, slots: int, capacity: int, *, block_size: int, num_blocks: int,
-               advance: int, slack: int, lag: int, draft: bool, prefix_cache: bool = False):
+               advance: int, slack: int, lag: int, draft: bool, prefix_cache: bool = False,
+               worst_case: bool = True):
     if block_size < 1 or num_blocks < 1:
       raise ValueError(f"a paged KV cache needs block_size >= 1 and num_blocks >= 1, got "
                        f"block_size={block_size}, num_blocks={num_blocks}")
@@ -69,6 +70,7 @@ class PagedKV:
     manager = blocks.BlockManager if prefix_cache else _NoPrefixManager
     self.mgr = manager(pools, chunk_size=chunk if local else None, draft=draft)
     self.prompt_tokens = self.cached_tokens = 0  # over admitted requests: the prefix hit rate
+    self.worst_case = worst_case
     self.chunk = chunk if local else None
     self.ahead = 1 + 2 * advance + slack
     self.slack, self.lag = slack, lag
@@ -92,7 +94,12 @@ class PagedKV:
     return sum(b != kvc.NO_BLOCK for b in self.mgr.requests[rid].tables[name])
 
   def fits(self, prompt_len: int, max_tokens: int) -> bool:
-    """Whether a new request's worst case fits beside every running request's."""
+    """Whether a new request's worst case fits beside every running request's, or without
+    `worst_case` (the engine preempts when a pool runs dry) whether its prompt and first call do."""
+    if not self.worst_case:
+      need = -(-min(prompt_len + self.ahead, prompt_len + max_tokens + self.slack)
+               // self.block_size)
+      return all(need <= pool.available for pool in self.mgr.pools.values())
     new = self.worst(prompt_len, max_tokens)
     for name, pool in self.mgr.pools.items():
       owed = sum(max(w[name] - self._held(rid, name), 0) for rid, w in self._worst.items())
@@ -125,8 +132,8 @@ class PagedKV:
     prompt + tokens reported); releases chunk-local blocks no query can see; updates the table."""
     req = self.mgr.requests[rid]
     upto = min(known + self.ahead, self._limit[rid])
+    self.mgr.release_invisible(rid)  # first: its blocks may serve the reservation
     self.mgr.reserve(rid, max(upto - len(req.tokens), 0))
-    self.mgr.release_invisible(rid)
     for t, name in enumerate(self.names):
       self.tables[slot, t] = self.mgr.table(rid, name, self.max_blocks)
 
