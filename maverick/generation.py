@@ -161,18 +161,31 @@ def _stop_matrix(cfg, batch: int, stop_tokens) -> np.ndarray:
   return out
 
 
-def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=()):
+def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=(), cache=None,
+            start=None):
   """Fills an empty cache with the prompts; returns (forward output at each row's last prompt token,
-  cache with lengths = prompt lengths)."""
+  cache with lengths = prompt lengths). `cache`: the (empty-rowed, lengths 0) cache to fill, e.g. a
+  paged one (kv_cache.PagedKVCache) whose tables name the rows' blocks; default a new contiguous
+  one of `capacity`. `start` [B]: the cache already holds positions < start (a prefix-cache hit):
+  req.prompt is then the prompt FROM start (right-padded), written at start.., attending to the
+  cache; req.prompt_lengths stay whole-prompt lengths."""
   B = req.prompt.shape[0]
-  cache = sharding.constrain_cache(kvc.KVCache.init(model.config, B, capacity),
-                                   sharding.plan_of(model))
+  if cache is None:
+    cache = kvc.KVCache.init(model.config, B, capacity)
+  cache = sharding.constrain_cache(cache, sharding.plan_of(model))
   embeds = None
   if req.pixel_values is not None:  # the image features replace the <|patch|> embeddings
+    if start is not None:
+      raise ValueError("a prefix-cache hit (start=) with images is not supported: prefill image "
+                       "prompts whole")
     tower = model.vision
     embeds = vision_lib.merge_features(model.embed_tokens(req.prompt), req.prompt,
                                        req.prompt_lengths, tower(req.pixel_values),
                                        tower.config.image_token_id)
+  if start is not None:
+    out = model(req.prompt, cache=cache.with_lengths(start),
+                logits_at=req.prompt_lengths - start - 1, capture_layers=capture_layers)
+    return out, out.cache.with_lengths(req.prompt_lengths)
   out = model(req.prompt, cache=cache, prefill=True, logits_at=req.prompt_lengths - 1,
               capture_layers=capture_layers, input_embeds=embeds)
   return out, out.cache.with_lengths(req.prompt_lengths)

@@ -298,7 +298,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x_btd, positions_bt, layer_cache=None, cache_lengths=None, *,
                attend_to_cache: bool = True, positions_from_zero: bool = False,
-               attention_fn=None, tree: TreeMask | None = None, fuse=None):
+               attention_fn=None, tree: TreeMask | None = None, fuse=None, block_table=None):
     """Returns (output [B,T,D], (k_cache, v_cache) or None; for an FP8 cache (`layer_cache` of
     4: k, v, k_scale, v_scale) the 4-tuple, new entries quantized per token and kv head).
     Static FP8 KV (`k_cache_scale` set): the cache is (k, v) in e4m3 quantized with the layer's
@@ -313,7 +313,9 @@ class Attention(nnx.Module):
     (EAGLE-3 training-time test attends across unrolled steps). `tree`: the cache holds a token
     tree (see TreeMask). `fuse` (maverick.kernels.Fuse): the o projection's all-reduce fused
     with the residual add and the next norm; the output is then (new residual, normed) where the
-    site fuses (see DecoderLayer)."""
+    site fuses (see DecoderLayer). `block_table` [B, M]: the cache is paged (kv_cache.PagedKVCache:
+    `layer_cache` holds the block pools); new entries are scattered through the table and attention
+    reads the gathered contiguous view, so everything after the gather is the contiguous path."""
     q, k, v = self.project(x_btd, positions_bt)
     static_scales = None
     if self.k_cache_scale is not None:
@@ -336,19 +338,27 @@ class Attention(nnx.Module):
                            "scales (quant kv_cache 'fp8_static'); build the cache with "
                            "KVCache.init(model.config, ...)")
         new = (kq, vq)
-      new_cache = tuple(kvc.write(c, x, cache_lengths) for c, x in zip(layer_cache, new))
+      if block_table is None:
+        new_cache = tuple(kvc.write(c, x, cache_lengths) for c, x in zip(layer_cache, new))
+        view = new_cache
+      else:
+        new_cache = tuple(kvc.write_paged(c, x, cache_lengths, block_table)
+                          for c, x in zip(layer_cache, new))
+        # For now the kernel path reads the gathered view too (a block-table kernel is issue 29's
+        # step 5); on the XLA path this gather is the only difference from a contiguous cache.
+        view = tuple(kvc.gather(c, block_table) for c in new_cache)
       if attend_to_cache:
         kv_scales = {}
-        if len(new_cache) == 4:
-          kv_scales = dict(k_scale=new_cache[2], v_scale=new_cache[3])
-        elif new_cache[0].dtype == quant_lib.FP8:
+        if len(view) == 4:
+          kv_scales = dict(k_scale=view[2], v_scale=view[3])
+        elif view[0].dtype == quant_lib.FP8:
           kv_scales = static_scales
-        out = kernels_lib.cache_attention(q, new_cache[0], new_cache[1], positions_bt,
+        out = kernels_lib.cache_attention(q, view[0], view[1], positions_bt,
                                           self.chunk_size, tree, kv_scales, self.kernels,
                                           sharding_plan.plan_of(self))
         if out is None:
-          mask = cache_mask(positions_bt, new_cache[0].shape[1], self.chunk_size, tree)
-          out = attention(q, new_cache[0], new_cache[1], mask, **kv_scales)
+          mask = cache_mask(positions_bt, view[0].shape[1], self.chunk_size, tree)
+          out = attention(q, view[0], view[1], mask, **kv_scales)
         return self.output(out, fuse), new_cache
     if tree is not None:
       raise ValueError("a tree mask needs a KV cache to attend to")
@@ -496,7 +506,7 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, positions, layer_cache=None, cache_lengths=None, *, attend_to_cache=True,
                positions_from_zero=False, attn_input=None, attention_fn=None, tree=None,
-               next_norm: RMSNorm | None = None):
+               next_norm: RMSNorm | None = None, block_table=None):
     """Returns (x, layer_cache), or with `next_norm` (the next layer's input norm, or the final
     norm) (x, layer_cache, next_norm(x) or None). `attn_input`: the normed input when the caller
     has it (the previous layer's third output, or the EAGLE-3 draft's [embedding; hidden]).
@@ -513,7 +523,8 @@ class DecoderLayer(nnx.Module):
     a, layer_cache = self.attn(h, positions, layer_cache, cache_lengths,
                                attend_to_cache=attend_to_cache,
                                positions_from_zero=positions_from_zero, attention_fn=attention_fn,
-                               tree=tree, fuse=fuse(x, self.post_attn_norm))
+                               tree=tree, fuse=fuse(x, self.post_attn_norm),
+                               block_table=block_table)
     x, h = _residual_norm(x, a, self.post_attn_norm)
     x, h = _residual_norm(x, self.ffn(h, fuse=fuse(x, next_norm)), next_norm)
     return (x, layer_cache) if next_norm is None else (x, layer_cache, h)
@@ -600,7 +611,8 @@ class Llama4(nnx.Module):
                               out_dtype=jnp.float32, kernels=self.kernels,
                               placement=_placement(self, self.lm_head))
 
-  def __call__(self, tokens_bt, positions_bt=None, cache: kvc.KVCache | None = None, *,
+  def __call__(self, tokens_bt, positions_bt=None,
+               cache: kvc.KVCache | kvc.PagedKVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
                prefill: bool = False, tree: TreeMask | None = None,
                input_embeds: jax.Array | None = None) -> ForwardOutput:
@@ -633,7 +645,8 @@ class Llama4(nnx.Module):
       next_norm = self.layers[i + 1].input_norm if i + 1 < L else self.final_norm
       x, layer_cache, h = layer(x, positions_bt, layer_cache, lengths,
                                 attend_to_cache=not prefill, positions_from_zero=from_zero,
-                                tree=tree, attn_input=h, next_norm=next_norm)
+                                tree=tree, attn_input=h, next_norm=next_norm,
+                                block_table=None if cache is None else cache.table(i))
       if layer_cache is not None:
         new_k.append(layer_cache[0])
         new_v.append(layer_cache[1])
@@ -646,7 +659,7 @@ class Llama4(nnx.Module):
       x, h = at(x), None if h is None else at(h)
     new_cache = None
     if cache is not None:
-      new_cache = kvc.KVCache.from_layers(new_k, new_v, new_scales, cache.lengths + T)
+      new_cache = cache.replaced(new_k, new_v, new_scales, cache.lengths + T)
     hidden = jnp.stack([captured[i] for i in capture]) if capture else None
     return ForwardOutput(logits=self.logits(x, h), cache=new_cache, hidden=hidden)
 

@@ -171,6 +171,8 @@ def constrain_cache(cache, plan: Plan | None):
   if plan is None:
     return cache
   spec = PartitionSpec(plan.batch_axis(cache.batch_size), None, plan.rules["kv_heads"], None)
+  if getattr(cache, "tables", None) is not None:  # paged: pools [N, bs, K, Dh] have no row axis
+    spec = PartitionSpec(None, None, plan.rules["kv_heads"], None)
   sh = NamedSharding(plan.mesh, spec)
   c = lambda xs: tuple(jax.lax.with_sharding_constraint(x, sh) for x in xs)
   lengths = jax.lax.with_sharding_constraint(

@@ -159,13 +159,14 @@ class Eagle3Draft(nnx.Module):
     g_normed = self.hidden_norm(g)
     attn_in = jnp.concatenate([self.embed_norm(e), g_normed], axis=-1)
     residual = g_normed if self.config.norm_before_residual else g
-    layer_cache = None if cache is None else (cache.k[0], cache.v[0])
+    layer_cache = None if cache is None else cache.layer(0)
     lengths = None if cache is None else cache.lengths
     out, layer_cache = self.layer(residual, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
                                   positions_from_zero=from_zero, attn_input=attn_in,
-                                  attention_fn=attention_fn, tree=tree)
-    new_cache = None if cache is None else kvc.KVCache(
-        k=(layer_cache[0],), v=(layer_cache[1],), lengths=cache.lengths + T)
+                                  attention_fn=attention_fn, tree=tree,
+                                  block_table=None if cache is None else cache.table(0))
+    new_cache = None if cache is None else cache.replaced(
+        (layer_cache[0],), (layer_cache[1],), (layer_cache[2:],), cache.lengths + T)
     if logits_at is not None:
       out = jnp.take_along_axis(out, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     logits = jnp.einsum("...d,dv->...v", self.final_norm(out), self.lm_head[...])

@@ -177,23 +177,31 @@ def round_fns(target: Llama4, draft: Eagle3Draft, params: sampling.SamplingParam
 
 
 def spec_prefill(target: Llama4, draft: Eagle3Draft, propose, req: plain.Request, capacity: int,
-                 result: sampling.Output, stop, width: int):
+                 result: sampling.Output, stop, width: int, *, cache=None, dcache=None,
+                 start=None):
   """Target prefill, first token (appended to the empty `result`), draft prefill and the first
-  candidates. Returns the round carry without step: (x0, L, result, cand, cache, dcache, stats)."""
+  candidates. Returns the round carry without step: (x0, L, result, cand, cache, dcache, stats).
+  `cache` / `dcache`: empty target / draft caches to fill (paged ones, see plain.prefill).
+  `start` [B]: both caches already hold positions < start (a prefix-cache hit, see plain.prefill;
+  the draft's entry at start - 1 must have been made from the same token at start)."""
   aux = draft.config.aux_layer_ids
   B, Tp = req.prompt.shape
   params = req.sampling
   embed = target.embed[...]
-  out, cache = plain.prefill(target, req, capacity, capture_layers=aux)
+  out, cache = plain.prefill(target, req, capacity, capture_layers=aux, cache=cache, start=start)
   x0, logprobs = sampling.sample(out.logits, params, result, req.stop_ids)
   result = stop(result, x0[:, None], jnp.ones((B,), jnp.int32), logprobs)
   L = req.prompt_lengths
+  last = L - 1 if start is None else L - 1 - start  # the last prompt token's index in req.prompt
   # Draft position p pairs the target feature at p with the token at p+1.
   shifted = jnp.concatenate([req.prompt[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-  shifted = jnp.where(jnp.arange(Tp)[None, :] == (L - 1)[:, None], x0[:, None], shifted)
-  dcache = sharding.constrain_cache(draft.init_cache(B, capacity), sharding.plan_of(draft))
-  dout = draft(shifted, draft.fuse(_features(out.hidden)), embed, cache=dcache, prefill=True,
-               logits_at=L - 1)
+  shifted = jnp.where(jnp.arange(Tp)[None, :] == last[:, None], x0[:, None], shifted)
+  if dcache is None:
+    dcache = draft.init_cache(B, capacity)
+  dcache = sharding.constrain_cache(dcache, sharding.plan_of(draft))
+  dout = draft(shifted, draft.fuse(_features(out.hidden)), embed,
+               cache=dcache if start is None else dcache.with_lengths(start),
+               prefill=start is None, logits_at=last)
   cand, dcache = propose(dout.logits, dout.hidden, dout.cache, L, result)
   stats = SpecStats(jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
                     jnp.zeros((B, width), jnp.int32))

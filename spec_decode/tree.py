@@ -28,7 +28,6 @@ import re
 import jax
 import jax.numpy as jnp
 
-from maverick import kv_cache as kvc
 from maverick import sampling
 from maverick.model import TreeMask
 from spec_decode.verify import target_probabilities
@@ -264,10 +263,6 @@ def gather_path(x_bt, path):
 def commit_path(cache, start, path):
   """Moves the accepted path's KV entries (verify-block slots start + path) to slots start..;
   entries past the accepted length are garbage past the committed length, overwritten later."""
-  slots = start[:, None] + path
-  move = lambda layer: kvc.write(layer, gather_path(layer, slots), start)
-  # An FP8 cache's per-token scales travel with their entries: a slot's e4m3 values mean nothing
-  # without the scale they were quantized with.
-  move_all = lambda layers: None if layers is None else tuple(move(x) for x in layers)
-  return dataclasses.replace(cache, k=move_all(cache.k), v=move_all(cache.v),
-                             k_scale=move_all(cache.k_scale), v_scale=move_all(cache.v_scale))
+  # An FP8 cache's per-token scales travel with their entries (copy_slots moves them too): a
+  # slot's e4m3 values mean nothing without the scale they were quantized with.
+  return cache.copy_slots(start[:, None] + path, start)

@@ -87,7 +87,7 @@ def loaded():
 def test_models_and_health(server, client):
   assert [m.id for m in client.models.list().data] == ["tiny"]
   h = httpx.get(f"{server}/health", timeout=10).json()
-  assert h["status"] == "ok" and h["slots"] == SLOTS
+  assert h["status"] == "ok" and h["slots"] == SLOTS and h["kv_layout"] == "contiguous"
 
 
 @pytest.mark.slow

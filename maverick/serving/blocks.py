@@ -1,7 +1,7 @@
 """Host-side paged KV bookkeeping (issue 29): fixed-size blocks, per-request block tables,
 reference counts, prefix caching, and early release on chunk-local layers. Pure Python/NumPy: the
-device side (a block-table gather in the attention kernels) is built on these tables later; no
-engine uses them yet.
+serving engine's paged layout (maverick/serving/paging.py) keeps its tables here and sends them to
+the device (kv_cache.PagedKVCache: a block-table scatter / gather around the attention).
 
 Block size. DEFAULT_BLOCK_SIZE = 64 is the decode attention kernel's KV tile
 (pallas_kernels/decode_attention/plan.py BLOCK_KV, which api.py walks in whole tiles): one block is

@@ -27,6 +27,7 @@ the host.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -43,8 +44,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maverick import generation as plain
 from maverick import kernels as kernels_lib
+from maverick import kv_cache as kvc
 from maverick import sampling
 from maverick import sharding
+from maverick.serving import blocks
+from maverick.serving import paging
 from spec_decode import speculative as spec
 
 DEFAULT_ROUNDS = 8
@@ -95,6 +99,7 @@ class Handle:
   num_tokens: int = 0
   finished: bool = False
   cancelled: bool = False
+  output: list = dataclasses.field(default_factory=list)  # tokens reported so far
 
 
 class Engine:
@@ -104,6 +109,13 @@ class Engine:
   (k draft tokens per round, or tree drafting with `tree`), None for plain decoding.
   slots: the batch. max_seq_len: prompt + generated tokens per slot (the cache rows hold that plus
   a speculative round's slack). rounds: decode steps / speculative rounds per device call at most.
+  kv_layout: "contiguous" (each slot a row of the cache) or "paged" (KV blocks of `block_size`
+  positions from pools of `num_blocks` blocks shared by all slots, default slots x the blocks of a
+  row, so no more memory than contiguous; admission by free blocks, chunk-local layers release
+  blocks their queries can no longer see; see maverick/serving/paging.py). prefix_cache (paged):
+  full blocks of committed tokens are kept (LRU) and shared by later prompts that start with the
+  same tokens, whose prefill then starts after them (prefills attend to the cache: the programs
+  differ from the no-prefix-cache engine's).
   """
 
   def __init__(self, model, draft=None, *, k: int = 3, tree=None, slots: int = 8,
@@ -111,8 +123,16 @@ class Engine:
                stop_tokens: Sequence[int] | None = None, max_stop_ids: int = 8,
                pad_id: int | None = None, min_bucket: int = plain.MIN_BUCKET,
                batch_buckets: Sequence[int] | None = None,
-               max_logit_bias: int = sampling.MAX_LOGIT_BIAS):
+               max_logit_bias: int = sampling.MAX_LOGIT_BIAS, kv_layout: str = "contiguous",
+               num_blocks: int | None = None, block_size: int = blocks.DEFAULT_BLOCK_SIZE,
+               prefix_cache: bool = False, preemption: bool = False):
     cfg = model.config
+    if kv_layout not in ("contiguous", "paged"):
+      raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
+    if (num_blocks is not None or prefix_cache or preemption) and kv_layout != "paged":
+      raise ValueError("num_blocks, prefix_cache and preemption need the paged KV layout: pass "
+                       "kv_layout='paged' with them")
+    self.prefix_cache, self.preemption = bool(prefix_cache), bool(preemption)
     if slots < 1 or rounds < 1:
       raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
     if not 2 <= max_seq_len <= cfg.max_position_embeddings:
@@ -136,6 +156,14 @@ class Engine:
     self.max_stop_ids = max(max_stop_ids, len(self.default_stop))
     self.max_logit_bias = max(1, int(max_logit_bias))  # logit_bias entries per request
     self.window = rounds * (self.width + 1) + 1  # tokens a slot can produce in one step (+ insert)
+    self._paging = None
+    if kv_layout == "paged":
+      per_row = -(-self.capacity // block_size)
+      self._paging = paging.PagedKV(
+          cfg, slots, self.capacity, block_size=block_size,
+          num_blocks=slots * per_row if num_blocks is None else num_blocks,
+          advance=self.window, slack=slack, lag=self.width + 2, draft=draft is not None,
+          prefix_cache=prefix_cache, worst_case=not preemption)
     self.buckets = []
     b = min_bucket
     while b < max_seq_len:
@@ -156,6 +184,9 @@ class Engine:
     self._slots_state = None
     self._owner: list[Handle | None] = [None] * slots
     self._waiting: queue.SimpleQueue = queue.SimpleQueue()
+    self._head: Handle | None = None  # taken from _waiting, waiting for KV blocks (paged)
+    self._preempted: collections.deque = collections.deque()  # youngest first (paged)
+    self.preemptions = 0
     self._wake = threading.Event()
     self._ids = itertools.count()
     self._thread: threading.Thread | None = None
@@ -177,8 +208,30 @@ class Engine:
 
   def _is_row(self, path) -> bool:
     """Whether a leaf of the slot state has one row per slot: all but a chain's parents [K],
-    which are the same for every request."""
+    which are the same for every request, and a paged cache's block pools (shared by all)."""
+    if (self._paging is not None and len(path) > 1
+        and getattr(path[0], "key", None) in ("cache", "dcache")
+        and getattr(path[1], "name", None) in ("k", "v", "k_scale", "v_scale")):
+      return False
     return self.tree is not None or not any(getattr(p, "name", None) == "parents" for p in path)
+
+  def _paged_rows(self, rows, tables):
+    """rows' paged caches with lengths 0 and these tables [n, P, M] (a fresh row to prefill),
+    as (cache, dcache); (None, None) for a contiguous cache."""
+    if self._paging is None:
+      return None, None
+    fresh = lambda c, t: c.with_tables(t).with_lengths(jnp.zeros((t.shape[0],), jnp.int32))
+    return (fresh(rows["cache"], tables),
+            fresh(rows["dcache"], tables[:, :1]) if "dcache" in rows else None)
+
+  def _empty_paged(self):
+    """One-row paged caches (target, draft) of the engine's pools, all blocks zero."""
+    pg = self._paging
+    init = lambda cfg, **kw: kvc.PagedKVCache.init(cfg, 1, pg.num_blocks, pg.max_blocks,
+                                                   pg.block_size, **kw)
+    cache = init(self.config, layer_table=pg.layer_table)
+    dcache = None if self.draft is None else init(self.draft.config.layer, num_layers=1)
+    return cache, dcache
 
   def _map_rows(self, fn, rows, *rest):
     """fn over the per-slot leaves; other leaves come from the last tree given."""
@@ -204,12 +257,21 @@ class Engine:
       rows = jax.tree_util.tree_map_with_path(pin, rows)
     return dict(rows, **caches)
 
-  def _new_row(self, states, prompt, length, params, stop_ids, max_tokens):
+  def _new_row(self, states, prompt, length, params, stop_ids, max_tokens, cache=None,
+               dcache=None, suffix=None, start=None, prior=None, num_prior=None,
+               prompt_length=None):
     """One request's row (batch 1): prefill, first token, (draft prefill and candidates). The
-    row's random stream is its own (params.seed): no key is shared between slots."""
+    row's random stream is its own (params.seed): no key is shared between slots. cache, dcache:
+    paged one-row caches to prefill into (the pools of every slot, this row's tables). With the
+    paged cache: `prompt` is the whole prompt of `prompt_length` (the repetition penalty's marks),
+    `prior` the first `num_prior` tokens the request produced before it was preempted (the row
+    starts with them: token indices, random streams and penalty counts go on as if it had never
+    stopped), `length` = prompt_length + num_prior and `suffix` those tokens from `start` [1] on,
+    the part to prefill (the blocks before are shared prefix-cache blocks)."""
     target, draft = self._models(states)
-    req = plain.Request(prompt=prompt, prompt_lengths=length, max_new_tokens=max_tokens,
-                        stop_ids=stop_ids, sampling=params)
+    req = plain.Request(prompt=prompt, prompt_lengths=length if prompt_length is None
+                        else prompt_length, max_new_tokens=max_tokens, stop_ids=stop_ids,
+                        sampling=params)
     cols = self.max_seq_len + self.window
     result = plain.init_output(self.config, req, 1, cols - (self.width + 1), self.width + 1,
                                self.pad_id)
@@ -217,15 +279,20 @@ class Engine:
                                                    self.pad_id, lp)
     row = dict(params=params, stop_ids=stop_ids, max_tokens=max_tokens,
                emitted=jnp.zeros((1,), jnp.int32))
+    if suffix is not None:
+      result = sampling.append(result, prior, num_prior, stop_ids, max_tokens, self.pad_id)
+      row["emitted"] = num_prior
+      req = dataclasses.replace(req, prompt=suffix, prompt_lengths=length)
     if draft is None:
-      out, cache = plain.prefill(target, req, self.capacity)
+      out, cache = plain.prefill(target, req, self.capacity, cache=cache, start=start)
       token, logprobs = sampling.sample(out.logits, params, result, stop_ids)
       result = stop(result, token[:, None], jnp.ones((1,), jnp.int32), logprobs)
       return dict(row, token=token, cache=cache, result=result)
     propose, _ = spec.round_fns(target, draft, params, stop_ids, max_tokens, self.pad_id,
                                 k=self.k, tree=self.tree)
     x0, L, result, cand, cache, dcache, stats = spec.spec_prefill(
-        target, draft, propose, req, self.capacity, result, stop, self.width)
+        target, draft, propose, req, self.capacity, result, stop, self.width, cache=cache,
+        dcache=dcache, start=start)
     return dict(row, x0=x0, L=L, result=result, cand=cand, cache=cache, dcache=dcache,
                 stats=stats)
 
@@ -233,10 +300,11 @@ class Engine:
     """All-free slots: every row done, lengths 0."""
     B = self.slots
     params = sampling.default_params(1, self.max_logit_bias)
+    paged = () if self._paging is None else self._empty_paged()
     row = jax.eval_shape(
         self._new_row, states, jnp.zeros((1, self.buckets[0]), jnp.int32),
         jnp.ones((1,), jnp.int32), params, jnp.zeros((1, self.max_stop_ids), jnp.int32),
-        jnp.ones((1,), jnp.int32))
+        jnp.ones((1,), jnp.int32), *paged)
     rows = self._map_rows(lambda s: jnp.zeros((B,) + s.shape[1:], s.dtype), row)
     rows = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct)
                         else x, rows)
@@ -245,16 +313,27 @@ class Engine:
     rows["params"] = sampling.default_params(B, self.max_logit_bias)
     return self._constrain(rows)
 
-  def _insert(self, states, rows, slot, prompt, length, params, stop_ids, max_tokens):
-    new = self._new_row(states, prompt, length, params, stop_ids, max_tokens)
+  def _insert(self, states, rows, slot, prompt, length, params, stop_ids, max_tokens, tables,
+              suffix=None, start=None, prior=None, num_prior=None, prompt_length=None):
+    """tables [1, P, M]: the new row's block tables (paged), else None; the rest: see
+    _new_row (paged)."""
+    new = self._new_row(states, prompt, length, params, stop_ids, max_tokens,
+                        *self._paged_rows(rows, tables), suffix=suffix, start=start, prior=prior,
+                        num_prior=num_prior, prompt_length=prompt_length)
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype),
                                                                  slot, axis=0)
     return self._constrain(self._map_rows(put, rows, new))
 
-  def _step(self, states, all_rows, release, *, n: int):
-    """Runs the first n slots (a batch bucket); the others are left as they are."""
+  def _step(self, states, all_rows, release, tables, *, n: int):
+    """Runs the first n slots (a batch bucket); the others are left as they are. tables
+    [slots, P, M]: the block tables of a paged cache (the host's, sent with every call), else
+    None."""
     target, draft = self._models(states)
     rows = self._constrain(self._map_rows(lambda x: x[:n], all_rows))
+    if self._paging is not None:
+      rows["cache"] = rows["cache"].with_tables(tables[:n])
+      if "dcache" in rows:
+        rows["dcache"] = rows["dcache"].with_tables(tables[:n, :1])
     result = rows["result"]
     result = dataclasses.replace(result, done=result.done | release[:n])
     done0 = result.done
@@ -301,11 +380,12 @@ class Engine:
     note("init")
     self._slots_state = rows = jax.jit(self._init)(self._states)
     release = jax.device_put(np.zeros((self.slots,), bool))
+    tables = self._tables()
     for n in self.batch_buckets:
       note(f"step batch {n}")
       self._exes["step", n] = jax.jit(functools.partial(self._step, n=n),
                                       donate_argnums=(1,)).lower(
-          self._states, rows, release).compile()
+          self._states, rows, release, tables).compile()
     insert = jax.jit(self._insert, donate_argnums=(1,))
     for b in self.buckets:
       note(f"prefill bucket {b}")
@@ -314,15 +394,36 @@ class Engine:
       self._exes[b] = insert.lower(self._states, rows, *args).compile()
     return time.perf_counter() - start
 
-  def _host_args(self, slot, prompt, params, stop_ids, max_tokens):
-    b = self.bucket(len(prompt))
-    padded = np.zeros((1, b), np.int32)
-    padded[0, :len(prompt)] = prompt
+  def _host_args(self, slot, prompt, params, stop_ids, max_tokens, start: int = 0, prior=()):
+    """The insert program's arguments; its bucket is that of (prompt + prior)[start:], the part
+    to prefill. Paged: the whole prompt (penalty marks) and `prior` (the tokens a preempted
+    request had produced, which the new row starts with) go along padded to max_seq_len."""
+    def padded(tokens, width):
+      out = np.zeros((1, width), np.int32)
+      out[0, :len(tokens)] = tokens
+      return out
     stop = np.full((1, self.max_stop_ids), plain.NO_STOP, np.int32)
     stop[0, :len(stop_ids)] = stop_ids
     put = jax.device_put
-    return (put(np.int32(slot)), put(padded), put(np.array([len(prompt)], np.int32)), params,
-            put(stop), put(np.array([max_tokens], np.int32)))
+    context = list(prompt) + list(prior)
+    suffix = padded(context[start:], self.bucket(len(context) - start))
+    paged = self._paging is not None
+    whole = padded(prompt, self.max_seq_len) if paged else suffix
+    length = lambda n: put(np.array([n], np.int32))
+    args = (put(np.int32(slot)), put(whole), length(len(context)), params,
+            put(stop), put(np.array([max_tokens], np.int32)), self._tables(slot))
+    if paged:
+      args += (put(suffix), length(start), put(padded(prior, self.max_seq_len)),
+               length(len(prior)), length(len(prompt)))
+    return args
+
+  def _tables(self, slot: int | None = None):
+    """The host's block tables on the device: all slots, or one slot's [1, P, M]; None when the
+    cache is contiguous."""
+    if self._paging is None:
+      return None
+    t = self._paging.tables
+    return jax.device_put(t if slot is None else t[slot:slot + 1])
 
   def bucket(self, n: int) -> int:
     return next(b for b in self.buckets if b >= n)
@@ -369,6 +470,9 @@ class Engine:
                          f"{n + max_tokens} tokens does not fit this server's context of "
                          f"{context} tokens; lower max_tokens to at most {context - n} or shorten "
                          f"the prompt", "max_tokens", "context_length_exceeded")
+    why = None if self._paging is None else self._paging.never_fits(n, int(max_tokens))
+    if why:
+      raise RequestError(why, "max_tokens", "context_length_exceeded")
     if isinstance(seed, bool) or not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2**32):
       raise RequestError(f"seed must be an integer in [0, 2**32), got {seed!r}", "seed")
     stop_ids = self.default_stop if stop_tokens is None else list(stop_tokens)
@@ -426,6 +530,15 @@ class Engine:
     if self._thread is not None:
       self._thread.join(timeout)
 
+  def kv_stats(self) -> dict:
+    """The KV layout and, paged, each pool's blocks used / free (evictable cached ones count as
+    free), the block size, the prefix hit rate (prompt tokens served from the prefix cache) and
+    preemptions: what /health reports."""
+    if self._paging is None:
+      return {"kv_layout": "contiguous"}
+    return {"kv_layout": "paged", "block_size": self._paging.block_size,
+            "preemptions": self.preemptions, **self._paging.stats()}
+
   @property
   def active(self) -> int:
     return sum(h is not None for h in self._owner)
@@ -440,7 +553,7 @@ class Engine:
 
   def _fail_open_requests(self) -> None:
     """After an engine error: every running and waiting request ends with an "error" event."""
-    waiting = []
+    waiting = [] if self._head is None else [self._head]
     while not self._waiting.empty():
       waiting.append(self._waiting.get())
     for h in [h for h in self._owner if h is not None] + waiting:
@@ -457,13 +570,17 @@ class Engine:
         if h is not None and h.cancelled:
           self._owner[b], release[b] = None, True
           self.released += 1
+          if self._paging is not None:
+            self._paging.free(b, h.id)
       self._admit(release)
+      if self._paging is not None:
+        self._reserve(release)
       if self.active:
         # Released slots are in the step too, so their rows get marked done.
         busy = 1 + max(b for b in range(self.slots) if self._owner[b] is not None or release[b])
         n = self.batch_bucket(busy)
         rows, report = self._exes["step", n](self._states, self._slots_state,
-                                             jax.device_put(release))
+                                             jax.device_put(release), self._tables())
         release = np.zeros((self.slots,), bool)
         self._slots_state = rows
         self.steps += 1
@@ -478,22 +595,59 @@ class Engine:
         self._wake.wait(0.05)
         self._wake.clear()
 
+  def _reserve(self, release: np.ndarray) -> None:
+    """Blocks for the next call's writes, oldest request first; when the pool runs dry
+    (preemption on), the youngest running request gives back all its blocks and is requeued."""
+    for h in sorted((h for h in self._owner if h is not None), key=lambda h: h.admitted):
+      while h in self._owner:
+        try:
+          self._paging.reserve(self._owner.index(h), h.id, len(h.prompt) + h.num_tokens)
+          break
+        except blocks.OutOfBlocks:
+          if not self.preemption:
+            raise
+          victim = max((v for v in self._owner if v is not None), key=lambda v: v.admitted)
+          b = self._owner.index(victim)
+          self._owner[b], release[b] = None, True
+          self._paging.free(b, victim.id)
+          self._preempted.appendleft(victim)
+          self.preemptions += 1
+
   def _admit(self, release: np.ndarray) -> None:
     for b in range(self.slots):
       if self._owner[b] is not None:
         continue
-      h = None
-      while not self._waiting.empty():
-        h = self._waiting.get()
-        if not h.cancelled:
-          break
+      h, self._head = self._head, None
+      while h is None and self._preempted:
+        h = self._preempted.popleft()
+        h = None if h.finished else h  # it finished in the call in flight when preempted
+      if h is not None and h.cancelled:
         h = None
+      while h is None and not self._waiting.empty():
+        h = self._waiting.get()
+        if h.cancelled:
+          h = None
       if h is None:
         return
-      if h.prompt_logprobs:  # a forward of its own: the insert program keeps one shape
+      if self._paging is not None:
+        # A preempted request resumes: prompt + its tokens so far are prefilled (recomputed).
+        context = h.prompt + h.output
+        if not self._paging.fits(len(context), h.max_tokens - len(h.output)):
+          self._head = h  # first in line: admitted as soon as finished requests free blocks
+          return
+        try:
+          start = self._paging.admit(b, h.id, context, h.max_tokens - len(h.output))
+        except blocks.OutOfBlocks:  # a prefix hit on evictable blocks can need more than fits saw
+          self._paging.free(b, h.id)
+          self._head = h
+          return
+      else:
+        start = 0
+      if h.prompt_logprobs and h.num_tokens == 0:  # a forward of its own: one insert shape
         h.prompt_result = plain.prompt_logprobs(self.model, h.prompt, h.logprobs or 0)
-      exe = self._exes[self.bucket(len(h.prompt))]
-      args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens)
+      exe = self._exes[self.bucket(len(h.prompt) + len(h.output) - start)]
+      args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens, start,
+                             h.output)
       self._slots_state = exe(self._states, self._slots_state, *args)
       self._owner[b], release[b] = h, False
       h.admitted = time.perf_counter()
@@ -511,6 +665,9 @@ class Engine:
       done = bool(report["done"][b])
       tokens = report["window"][b, :n].tolist()
       h.num_tokens += n
+      if self._paging is not None:
+        h.output.extend(tokens)
+        self._paging.commit(h.id, h.prompt + h.output)
       reason = None
       if done:
         h.finished = True
@@ -521,6 +678,8 @@ class Engine:
         reason = "stop" if tokens and tokens[-1] in h.stop_ids else "length"
         if self._owner[b] is h:
           self._owner[b] = None
+          if self._paging is not None:
+            self._paging.free(b, h.id)
       if n or done:
         logprobs = None if h.logprobs is None else sampling.logprob_lists(
             *(report[name][b] for name in LOGPROB_FIELDS), n, h.logprobs)

@@ -226,7 +226,8 @@ def create_app(server: Server) -> FastAPI:
             "released": engine.released, "steps": engine.steps,
             "steps_by_batch": {str(n): c for n, c in engine.steps_by_batch.items()},
             "finished": engine.finished, "spec_rounds": engine.spec_rounds,
-            "spec_accepted": engine.spec_accepted}
+            "spec_accepted": engine.spec_accepted,
+            **(engine.kv_stats() if hasattr(engine, "kv_stats") else {})}  # test stubs lack it
 
   @app.get("/metrics")
   async def prometheus():
