@@ -41,15 +41,22 @@ sys.path.insert(0, REPO)
 
 from maverick import cli  # noqa: E402  (after the sys.path line)
 
-_TARGET = flags.DEFINE_string("target", "tiny", "Target model with a tokenizer (see "
-                              "scripts/generate.py); its embedded draft drives k3/tree/engine.")
-_DTYPES = flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Model dtypes, one pass each.")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 64, "The first N of PROMPTS (1..64).")
-_NEW = flags.DEFINE_integer("max_new_tokens", 40, "Greedy tokens per prompt.")
-_TREE = flags.DEFINE_string("tree", "3x2x5", "Tree shape DEPTHxTOPKxNODES of the tree run.")
-_ENGINE_K = flags.DEFINE_integer("engine_k", 3, "Draft tokens per round in the engine (0: plain).")
-_OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(REPO, "benchmarks", "results"),
-                               "Where greedy_consistency.{json,md} go.")
+
+def define_flags():
+  """The CLI's flags, defined only when run as a script: importing the module's helpers (the
+  tests) must not define flags that other benchmarks' modules define too in the same process."""
+  global _TARGET, _DTYPES, _NUM_PROMPTS, _NEW, _TREE, _ENGINE_K, _OUT_DIR
+  _TARGET = flags.DEFINE_string("target", "tiny", "Target model with a tokenizer (see "
+                                "scripts/generate.py); its embedded draft drives k3/tree/engine.")
+  _DTYPES = flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Model dtypes, one pass each.")
+  _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 64, "The first N of PROMPTS (1..64).")
+  _NEW = flags.DEFINE_integer("max_new_tokens", 40, "Greedy tokens per prompt.")
+  _TREE = flags.DEFINE_string("tree", "3x2x5", "Tree shape DEPTHxTOPKxNODES of the tree run.")
+  _ENGINE_K = flags.DEFINE_integer("engine_k", 3,
+                                   "Draft tokens per round in the engine (0: plain).")
+  _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(REPO, "benchmarks", "results"),
+                                 "Where greedy_consistency.{json,md} go.")
+
 
 PROMPTS = (
     "The capital of France is", "Once upon a time, in a small village,", "The best way to learn",
@@ -302,4 +309,5 @@ def markdown(res):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -16,6 +16,7 @@ import textwrap
 
 import jax
 
+from maverick import kv_cache as kvc
 from maverick import program_cache
 from spec_decode import speculative as spec
 from spec_decode import tree as tree_lib
@@ -96,8 +97,9 @@ MUTANTS = [
            "positions = L[:, None] + depths", "positions = L[:, None] + depths + 1",
            TEACHER[1:]),
     Mutant("commit_path commits the first slots, not the path", T, "commit_path",
-           "slots = start[:, None] + path",
-           "slots = start[:, None] + jax.numpy.arange(path.shape[1])[None]", TEACHER[1:]),
+           "cache.copy_slots(start[:, None] + path, start)",
+           "cache.copy_slots(start[:, None] + jax.numpy.arange(path.shape[1])[None], start)",
+           TEACHER[1:]),
     Mutant("chain bonus drawn from the last draft's row (greedy)", V, "verify_chain_greedy",
            "jnp.take_along_axis(best, n[:, None], axis=1)",
            "jnp.take_along_axis(best, jnp.minimum(n, K - 1)[:, None], axis=1)", TEACHER),
@@ -159,7 +161,6 @@ MUTANTS = [
            "return sampling.draw(keys, jnp.log(q), params), jnp.where(at_j[:, None], "
            "sampling.probabilities(draft.lift_logits(logits, vocab), params)[:, None], probs)",
            PENALTIES),
-    Mutant("commit_path leaves the FP8 scales behind", T, "commit_path",
-           "k_scale=move_all(cache.k_scale), v_scale=move_all(cache.v_scale)",
-           "k_scale=cache.k_scale, v_scale=cache.v_scale", ("fp8 tree commit",)),
+    Mutant("commit_path leaves the FP8 k scales behind", kvc, "_map_layers",
+           "k_scale=each(cache.k_scale),", "k_scale=cache.k_scale,", ("fp8 tree commit",)),
 ]
