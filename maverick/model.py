@@ -304,7 +304,9 @@ class Attention(nnx.Module):
     Static FP8 KV (`k_cache_scale` set): the cache is (k, v) in e4m3 quantized with the layer's
     scalar scales, and every attention, with or without a cache, reads K/V as stored, i.e.
     e4m3(clip(x / scale)) * scale (as vLLM, which attends to its FP8 cache in prefill too); so a
-    prefill-then-decode run equals one forward.
+    prefill-then-decode run equals one forward. Dynamic FP8 KV alike wherever the layer writes its
+    cache: a prefill (attend_to_cache=False, XLA or Pallas) attends among the new tokens to K/V
+    dequantized per token and head, as a prefix hit or decode step reads them (no cache: raw K/V).
 
     With a cache, the new keys/values are written at slots cache_lengths[b] + t. `attend_to_cache=False`
     (prefill into an empty cache) attends among the new tokens only, avoiding a T x capacity score
@@ -332,6 +334,8 @@ class Attention(nnx.Module):
       if len(layer_cache) == 4:  # FP8 cache: (k, v, k_scale, v_scale), written quantized
         (kq, ks), (vq, vs) = quant_lib.quantize_kv(k), quant_lib.quantize_kv(v)
         new = (kq, vq, ks, vs)
+        k = quant_lib.dequantize(kq, ks, (-1,), k.dtype)  # read as stored (docstring)
+        v = quant_lib.dequantize(vq, vs, (-1,), v.dtype)
       elif layer_cache[0].dtype == quant_lib.FP8:
         if static_scales is None:
           raise ValueError("an FP8 KV cache without per-token scales needs a model with static KV "
