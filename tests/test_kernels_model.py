@@ -1,6 +1,7 @@
 """The model with its Pallas kernels (`maverick.kernels`): logits with kernels="pallas" in GPU
 interpret mode against kernels="xla", on a small config whose shapes every kernel takes (so all
-four run: GEMMs, fused MoE grouped GEMMs, prefill and decode attention) and on the HF fixture
+four run: GEMMs, fused MoE grouped GEMMs, prefill and decode attention; the prefill kernel
+with dynamic FP8 KV gets K/V as stored) and on the HF fixture
 (head_dim 32 and expert width 48 are outside the attention / grouped kernels: those calls fall
 back to XLA, the GEMMs run). Plus the lowering of the whole forward for sm_90: which calls became
 Mosaic GPU kernels.
@@ -302,3 +303,40 @@ def test_speculative_generate_runs_the_decode_kernel(monkeypatch):
   assert {k[1] for _, k in shapes} == {64}, shapes
   verify_t = {q[1] for q, _ in shapes}
   assert 4 in verify_t and 1 in verify_t, verify_t  # target verify (K+1) and draft steps
+
+
+def test_fp8_kv_prefill_kernel_reads_stored_kv(monkeypatch):
+  """Dynamic FP8 KV: the Pallas prefill attention kernel (interpret mode) gets K/V as the cache
+  stores them (e4m3 times the per-token, per-head scale, in bf16), not the raw projections, and
+  its output is the XLA path's (tests/test_fp8_kv_prefill.py checks that one against NumPy)."""
+  from pallas_kernels import prefill_attention
+  cfg = aligned_config(1).replace(quant=quant.QuantConfig(weights=None, kv_cache="fp8"))
+  model = model_lib.init_model(cfg, seed=0)
+  attn = model.layers[0].attn  # chunked (64) RoPE layer, GQA 4
+  B, T = 1, 80  # crosses the chunk boundary
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((B, T, 128)), jnp.bfloat16)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  cache = kvc.KVCache.init(cfg, B, 128)
+  seen = []
+  real = prefill_attention.prefill_attention
+
+  def spy(q, k, v, **kw):
+    if kw.get("implementation") == "pallas":
+      seen.append((k, v))
+    return real(q, k, v, **kw)
+
+  monkeypatch.setattr(prefill_attention, "prefill_attention", spy)
+  run = lambda: attn(x, pos, cache.layer(0), cache.lengths, attend_to_cache=False,
+                     positions_from_zero=True)
+  kernels_lib.set_kernels(model, "xla")
+  want, _ = run()
+  assert not seen
+  with pallas_kernels.interpret(detect_races=False):
+    kernels_lib.set_kernels(model, "pallas")
+    got, (kq, vq, ks, vs) = run()
+  assert len(seen) == 1, "the prefill kernel did not run"
+  for fed, q8, scale in zip(seen[0], (kq, vq), (ks, vs)):
+    stored = np.asarray(q8[:, :T], np.float32) * np.asarray(scale[:, :T])[..., None]
+    np.testing.assert_array_equal(np.asarray(fed, np.float32),
+                                  np.asarray(jnp.asarray(stored).astype(jnp.bfloat16), np.float32))
+  assert _rel(got, want) < 1e-2  # measured 3.5e-3; raw K/V fed to the kernel: 3.1e-2
