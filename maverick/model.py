@@ -238,17 +238,19 @@ def _per_slot(scale: jax.Array) -> jax.Array:
   return scale if scale.ndim == 0 else jnp.transpose(scale, (0, 2, 1))[:, :, None, None, :]
 
 
-def chunked_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
+def chunked_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int,
+                           **kv_scales) -> jax.Array:
   """Chunked causal self-attention for tokens at positions 0..T-1: each chunk of `chunk` tokens
   attends only within itself, so compute as T/chunk independent blocks (T*chunk scores instead of
-  T*T). Equal to `attention` with `attention_mask(pos, pos, chunk)`."""
+  T*T). Equal to `attention` with `attention_mask(pos, pos, chunk)` (and the same `kv_scales`)."""
   B, T, H, Dh = q.shape
   n = -(-T // chunk)
   pad = n * chunk - T
-  blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
+  blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)).reshape(
       B * n, chunk, *x.shape[2:])
   pos = jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B * n, chunk))
-  out = attention(blocks(q), blocks(k), blocks(v), attention_mask(pos, pos, None))
+  out = attention(blocks(q), blocks(k), blocks(v), attention_mask(pos, pos, None),
+                  **{name: blocks(s) for name, s in kv_scales.items()})
   return out.reshape(B, n * chunk, H, Dh)[:, :T]
 
 
@@ -305,8 +307,9 @@ class Attention(nnx.Module):
     scalar scales, and every attention, with or without a cache, reads K/V as stored, i.e.
     e4m3(clip(x / scale)) * scale (as vLLM, which attends to its FP8 cache in prefill too); so a
     prefill-then-decode run equals one forward. Dynamic FP8 KV alike wherever the layer writes its
-    cache: a prefill (attend_to_cache=False, XLA or Pallas) attends among the new tokens to K/V
-    dequantized per token and head, as a prefix hit or decode step reads them (no cache: raw K/V).
+    cache: a prefill (attend_to_cache=False) attends among the new tokens to their e4m3 K/V with
+    the per-token scales on scores and probabilities, the math of a prefix hit or decode step (the
+    Pallas prefill kernel gets them dequantized); without a cache K/V stay raw.
 
     With a cache, the new keys/values are written at slots cache_lengths[b] + t. `attend_to_cache=False`
     (prefill into an empty cache) attends among the new tokens only, avoiding a T x capacity score
@@ -319,7 +322,7 @@ class Attention(nnx.Module):
     `layer_cache` holds the block pools); new entries are scattered through the table and attention
     reads the gathered contiguous view, so everything after the gather is the contiguous path."""
     q, k, v = self.project(x_btd, positions_bt)
-    static_scales = None
+    static_scales, new_scales = None, {}
     if self.k_cache_scale is not None:
       static_scales = dict(k_scale=self.k_cache_scale[...], v_scale=self.v_cache_scale[...])
       kq = quant_lib.quantize_static(k, static_scales["k_scale"])
@@ -334,8 +337,7 @@ class Attention(nnx.Module):
       if len(layer_cache) == 4:  # FP8 cache: (k, v, k_scale, v_scale), written quantized
         (kq, ks), (vq, vs) = quant_lib.quantize_kv(k), quant_lib.quantize_kv(v)
         new = (kq, vq, ks, vs)
-        k = quant_lib.dequantize(kq, ks, (-1,), k.dtype)  # read as stored (docstring)
-        v = quant_lib.dequantize(vq, vs, (-1,), v.dtype)
+        k, v, new_scales = kq, vq, dict(k_scale=ks, v_scale=vs)  # read as stored (docstring)
       elif layer_cache[0].dtype == quant_lib.FP8:
         if static_scales is None:
           raise ValueError("an FP8 KV cache without per-token scales needs a model with static KV "
@@ -368,14 +370,17 @@ class Attention(nnx.Module):
       raise ValueError("a tree mask needs a KV cache to attend to")
     T = x_btd.shape[1]
     if positions_from_zero:
-      out = kernels_lib.prefill_attention(q, k, v, self.chunk_size, self.kernels,
-                                          sharding_plan.plan_of(self))
+      deq = lambda x, s: x if s is None else quant_lib.dequantize(x, s, (-1,), q.dtype)
+      out = kernels_lib.prefill_attention(q, deq(k, new_scales.get("k_scale")),
+                                          deq(v, new_scales.get("v_scale")), self.chunk_size,
+                                          self.kernels, sharding_plan.plan_of(self))
       if out is not None:
         return self.output(out, fuse), new_cache
     if positions_from_zero and self.chunk_size is not None and T > self.chunk_size:
-      out = chunked_self_attention(q, k, v, self.chunk_size)
+      out = chunked_self_attention(q, k, v, self.chunk_size, **new_scales)
     else:
-      out = attention(q, k, v, attention_mask(positions_bt, positions_bt, self.chunk_size))
+      out = attention(q, k, v, attention_mask(positions_bt, positions_bt, self.chunk_size),
+                      **new_scales)
     return self.output(out, fuse), new_cache
 
   def project(self, x_btd, positions_bt):

@@ -1,7 +1,7 @@
 """Dynamic FP8 KV (`kv_cache="fp8"`): a prefill into an FP8 cache attends to K/V as stored (e4m3
-per token and kv head, dequantized), exactly what later decode steps and prefix hits read, so
-prefill-then-decode == a prefix hit (start= path) == one prefill of everything. The Pallas prefill
-kernel path: tests/test_kernels_model.py::test_fp8_kv_prefill_kernel_reads_stored_kv."""
+per token and kv head, the scales on scores and probabilities), exactly what later decode steps and
+prefix hits read, so prefill-then-decode == a prefix hit (start= path) == one prefill of everything.
+The Pallas prefill kernel path: tests/test_kernels_model.py::test_fp8_kv_prefill_kernel_reads_stored_kv."""
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +107,22 @@ def test_fp8_prefill_then_decode_equals_prefix_hit_equals_one_prefill(fp8_kv_mod
                                 np.asarray(full_cache.k[0]).view(np.uint8))
   raw = np.asarray(model(toks).logits)
   assert rel(raw[:, P:], full[:, P:]) > 2e-2  # the K/V quantization is really on
+
+
+@pytest.mark.parametrize("layer", [0, 3])
+def test_bf16_fp8_prefill_attention_is_the_cache_reads_bit_for_bit(layer):
+  """bf16: a prefill (attend_to_cache=False) and the same tokens attending to the cache they were
+  just written to (a prefix hit at 0, what the paged engine's insert runs) compute the same thing
+  when the cache holds exactly the T slots: bit for bit. Dequantizing K/V to bf16 before a
+  prefill would round them (2^-9) and part the paged engine from the contiguous one at
+  near-ties (tests/test_serving_paged.py::test_paged_engine_fp8_kv_equals_contiguous)."""
+  cfg = config_lib.tiny("bfloat16").replace(moe_layers=(), quant=QC)
+  attn = model_lib.init_model(cfg, seed=3).layers[layer].attn
+  B, T = 2, 40
+  x = jnp.asarray(np.random.default_rng(9).standard_normal((B, T, 64)), jnp.bfloat16)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  cache = kvc.KVCache.init(cfg, B, T)
+  pre, written = attn(x, pos, cache.layer(layer), cache.lengths, attend_to_cache=False)
+  hit, _ = attn(x, pos, cache.layer(layer), cache.lengths)
+  np.testing.assert_array_equal(np.asarray(pre, np.float32), np.asarray(hit, np.float32))
+  assert written[0].dtype == jnp.float8_e4m3fn and pre.dtype == jnp.bfloat16

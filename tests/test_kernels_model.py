@@ -308,7 +308,8 @@ def test_speculative_generate_runs_the_decode_kernel(monkeypatch):
 def test_fp8_kv_prefill_kernel_reads_stored_kv(monkeypatch):
   """Dynamic FP8 KV: the Pallas prefill attention kernel (interpret mode) gets K/V as the cache
   stores them (e4m3 times the per-token, per-head scale, in bf16), not the raw projections, and
-  its output is the XLA path's (tests/test_fp8_kv_prefill.py checks that one against NumPy)."""
+  its output is the XLA path's (scales on scores and probabilities; checked against NumPy in
+  tests/test_fp8_kv_prefill.py) to bf16 noise."""
   from pallas_kernels import prefill_attention
   cfg = aligned_config(1).replace(quant=quant.QuantConfig(weights=None, kv_cache="fp8"))
   model = model_lib.init_model(cfg, seed=0)
@@ -339,4 +340,4 @@ def test_fp8_kv_prefill_kernel_reads_stored_kv(monkeypatch):
     stored = np.asarray(q8[:, :T], np.float32) * np.asarray(scale[:, :T])[..., None]
     np.testing.assert_array_equal(np.asarray(fed, np.float32),
                                   np.asarray(jnp.asarray(stored).astype(jnp.bfloat16), np.float32))
-  assert _rel(got, want) < 1e-2  # measured 3.5e-3; raw K/V fed to the kernel: 3.1e-2
+  assert _rel(got, want) < 1e-2  # measured 4.0e-3; raw K/V fed to the kernel: 3.1e-2

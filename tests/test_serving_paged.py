@@ -86,15 +86,13 @@ def test_paged_engine_equals_contiguous(loaded, tiny_draft, name, draft_kind, kw
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="OPEN: with dynamic FP8 KV the paged engine differs from the contiguous "
-                   "one at a near-tie (plain, K=3 and tree alike). Cause: the paged insert always "
-                   "prefills through the start= path, so the prompt attends to its e4m3-stored K/V, "
-                   "while the contiguous prefill attends to the raw bf16 K/V (measured: logprob "
-                   "top-2 of one step 0.014 apart contiguous vs 0.043 the other way paged). Fix "
-                   "planned: dynamic FP8 prefill reads K/V as stored, as static FP8 already does. "
-                   "K=3 and tree are left out of CI until then (each ~1 min, same cause).", strict=False)
-@pytest.mark.parametrize("spec", ["plain"])
+@pytest.mark.parametrize("spec", ["plain", "tree"])
 def test_paged_engine_fp8_kv_equals_contiguous(loaded, spec):
+  """Dynamic FP8 KV: the paged insert prefills through the start= path (attending to the cache)
+  and the contiguous one into an empty cache; both read the prompt's K/V as stored (e4m3 with
+  the per-token scales on scores and probabilities), so the outputs agree token for token,
+  near-ties included. "k3" passes too (130 s on 2 busy cores, plain 83 s, tree 139 s); it is
+  left out of CI for time (its draft prefill is the tree's, its verify the bf16 k1..k5 runs')."""
   model = convert.quantize_model(loaded.model, quant_config.QuantConfig(weights=None,
                                                                         kv_cache="fp8"))
   prompts, max_tokens = _prompts(loaded)
