@@ -188,10 +188,12 @@ def test_fp8_kv_cache_decode_matches_bf16_cache():
   assert _agreement(got, want) >= 0.9
   # Their error is e4m3 rounding carried through the layers: at most 2^4 times (e4m3 keeps 4
   # significant bits, bf16 8) that of a bf16 cache, whose error went through the same layers,
-  # plus an f32 floor (measured 11x; a flat 5 % bound sat within 1.3x of the 4.0 % measured).
+  # times 2: the FP8 prefill attends to the prompt's K/V as stored too, a bf16 cache's prefill to
+  # the raw f32 K/V, so the FP8 run rounds at both sites; plus an f32 floor (measured 15.2x,
+  # 0.0551 vs 0.00362; 11.1x while the FP8 prefill read raw K/V).
   b16, _ = _decode_logits(ref_model, prompt, steps, cache_dtype=jnp.bfloat16)
   rel = lambda a: np.abs(a - want).mean() / np.abs(want).mean()
-  assert rel(got) <= 2 ** 4 * rel(b16) + 1e-3, (rel(got), rel(b16))
+  assert rel(got) <= 2 * 2 ** 4 * rel(b16) + 1e-3, (rel(got), rel(b16))
 
 
 @pytest.mark.slow
