@@ -101,11 +101,12 @@ CASES = [
     ("fp8_chunked_released", 2, 2, 2, 4, 2, 64, 128, 4, 10, [[383, 384], [260, 261]], 128, 2,
      True, ((0, 0), (0, 1), (1, 0))),
 ]
-SM100_CASES = [c for c in CASES if c[0] in ("bf16_bs128_ctx3blocks", "fp8_chunked_released")]
+SM100_CASES = [c for c in CASES if c[0] == "fp8_chunked_released"]  # interpret mode is slow
 KERNEL_CASES = ([pytest.param(c, "sm90", id=c[0]) for c in CASES]
                 + [pytest.param(c, "sm100", id=f"sm100-{c[0]}") for c in SM100_CASES])
 
 
+@pytest.mark.slow  # ~30 s, as the contiguous kernel's float64 cases
 @pytest.mark.parametrize("case,arch", KERNEL_CASES)
 def test_paged_kernel_matches_references(case, arch):
   _, seed, B, T, H, K, Dh, bs, M, N, q_pos, chunk, splits, fp8, no_block = case
@@ -114,6 +115,7 @@ def test_paged_kernel_matches_references(case, arch):
             **scales)
 
 
+@pytest.mark.slow  # ~8 s
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_paged_tree_verify(arch):
   """R = T = 5 tree nodes after a committed prefix, the tree crossing a block boundary (blocks
@@ -126,6 +128,23 @@ def test_paged_tree_verify(arch):
   positions = np.stack(depths).astype(np.int32) + start[:, None]
   run_paged(q, k_pool, v_pool, table, positions, tree=(start, positions, np.stack(vis)),
             num_splits=2, arch=arch)
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs the 8 host devices conftest sets")
+def test_paged_two_consumer_warpgroups(monkeypatch):
+  """The GPU configuration (2 consumer warpgroups taking alternate KV steps; see
+  test_kernel_decode_attention.test_two_consumer_warpgroups): fp8, a tree, a chunk boundary,
+  8 KV steps over 4 stages from 128-slot blocks, the released blocks NO_BLOCK."""
+  from pallas_kernels.decode_attention import api
+  monkeypatch.setattr(api, "INTERPRET_COMPUTE_WGS", 2)
+  rng = np.random.default_rng(75)
+  q, k_pool, v_pool, table, scales = make_paged(76, 1, 5, 4, 1, 64, 128, 8, 10, fp8=True,
+                                                no_block=((0, 0), (0, 1), (0, 2), (0, 3)))
+  depth, vis = random_tree(rng, 5)
+  start = np.array([1000], np.int32)
+  positions = (depth + 1000)[None].astype(np.int32)  # chunk 512..1023: 8 tiles
+  run_paged(q, k_pool, v_pool, table, positions, chunk=512, tree=(start, positions, vis[None]),
+            num_splits=1, **scales)
 
 
 def test_split_tiles_resolve_blocks():

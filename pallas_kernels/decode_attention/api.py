@@ -6,6 +6,9 @@ k_scale, v_scale), see reference.py): slot s holds position s; query at position
 tree_start .. tree_start+R-1 hold positions tree_positions and query t sees tree slot r iff
 tree_visible[b, t, r] and the positional mask allows it; slots after the block are invisible.
 A query that sees no slot returns 0 (the model never produces one).
+
+decode_attention_paged: the same over a paged cache (pools + block table); the kernel reads each
+KV tile from its block (see plan.py for the tile / block size choice), "xla" gathers first.
 """
 
 from __future__ import annotations
