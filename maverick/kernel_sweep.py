@@ -2,8 +2,9 @@
 tests/test_kernel_lowering_sweep.py and scripts/kernel_support.py.
 
 A `Case` is one kernel call: the op, which of the model's calls it is (q, k, ..., experts gate/up,
-prefill, decode T=3, tree), the model, its tensor-parallel degree (heads, kv heads, FFN and expert
-widths, vocab divided by TP; at least one kv head), the precision ("bf16": all BF16, weights as
+prefill, decode T=3, tree; decode and tree also over a paged cache of 64-slot blocks), the
+model, its tensor-parallel degree (heads, kv heads, FFN and expert widths, vocab divided by TP;
+at least one kv head), the precision ("bf16": all BF16, weights as
 declared, (K, N); "fp8": FP8 weights stored K-major with per-token activation quantization and an
 FP8 KV cache; router and lm_head stay BF16 as `maverick.quant.DEFAULT_SKIP` says), the number of
 tokens M and the architecture. `plan(case)` asks the op's resource planner; `lower(case)` lowers
