@@ -2,8 +2,9 @@
 tests/test_kernel_lowering_sweep.py and scripts/kernel_support.py.
 
 A `Case` is one kernel call: the op, which of the model's calls it is (q, k, ..., experts gate/up,
-prefill, decode T=3, tree), the model, its tensor-parallel degree (heads, kv heads, FFN and expert
-widths, vocab divided by TP; at least one kv head), the precision ("bf16": all BF16, weights as
+prefill, decode T=3, tree; decode and tree also over a paged cache of 64-slot blocks), the
+model, its tensor-parallel degree (heads, kv heads, FFN and expert widths, vocab divided by TP;
+at least one kv head), the precision ("bf16": all BF16, weights as
 declared, (K, N); "fp8": FP8 weights stored K-major with per-token activation quantization and an
 FP8 KV cache; router and lm_head stay BF16 as `maverick.quant.DEFAULT_SKIP` says), the number of
 tokens M and the architecture. `plan(case)` asks the op's resource planner; `lower(case)` lowers
@@ -42,7 +43,8 @@ PRECISIONS = ("bf16", "fp8")
 MODELS = ("maverick", "scout")
 DECODE_QUERIES = (1, 2, 3, 4)  # decode (1) and EAGLE-3 chain verify (K + 1 queries)
 TREE_NODES = 8  # tree verify: 8 query nodes over an 8-slot tree block
-CHUNKED = (True, False)  # RoPE layers attend within 8192-token chunks, NoPE layers globally
+CHUNKED = (True, False)
+PAGED_BLOCK = 64  # = maverick.serving.blocks.DEFAULT_BLOCK_SIZE  # RoPE layers attend within 8192-token chunks, NoPE layers globally
 
 BF16 = jnp.dtype(jnp.bfloat16)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -119,13 +121,17 @@ def cases(models: Iterable[str] = MODELS, archs: Iterable[str] = ARCHS,
                         tp, precision, m, arch, (
             ("heads", d["H"]), ("kv_heads", d["KV"]), ("head_dim", d["Dh"]),
             ("chunk", d["chunk"] if chunked else None))))
-      # The cache holds the M-token context plus the new queries, in whole 64-slot blocks.
+      # The cache holds the M-token context plus the new queries, in whole 64-slot blocks;
+      # contiguous, or paged (pools of PAGED_BLOCK-slot blocks + a block table).
       for t, tree in [(t, False) for t in DECODE_QUERIES] + [(TREE_NODES, True)]:
-        out.append(Case("decode_attention", f"tree T={t}" if tree else f"decode T={t}", model,
-                        tp, precision, m, arch, (
-            ("queries", t), ("heads", d["H"]), ("kv_heads", d["KV"]), ("head_dim", d["Dh"]),
-            ("cache", -(-(m + t) // 64) * 64), ("kv_dtype", "float8_e4m3fn" if fp8 else "bfloat16"),
-            ("tree", t if tree else None), ("chunk", d["chunk"]))))
+        for block in (None, PAGED_BLOCK):
+          name = f"tree T={t}" if tree else f"decode T={t}"
+          out.append(Case("decode_attention", name if block is None else f"paged {name}", model,
+                          tp, precision, m, arch, (
+              ("queries", t), ("heads", d["H"]), ("kv_heads", d["KV"]), ("head_dim", d["Dh"]),
+              ("cache", -(-(m + t) // 64) * 64),
+              ("kv_dtype", "float8_e4m3fn" if fp8 else "bfloat16"),
+              ("tree", t if tree else None), ("chunk", d["chunk"]), ("block", block))))
     yield from (c for c in out if ops is None or c.op in ops)
 
 
@@ -145,7 +151,7 @@ def plan(case: Case):
                         interpreting=False)
   return da_plan.plan(p["queries"], p["heads"], p["kv_heads"], p["head_dim"], p["cache"],
                       jnp.dtype(p["kv_dtype"]), tree_size=p["tree"], arch=case.arch,
-                      interpreting=False)
+                      interpreting=False, block_size=p["block"])
 
 
 def _static(case: Case) -> tuple:
@@ -157,7 +163,8 @@ def _static(case: Case) -> tuple:
     return (p["dtype"], p["swiglu"])
   if case.op == "prefill_attention":
     return (p["head_dim"], p["heads"] // p["kv_heads"], p["chunk"] is not None)
-  return (p["head_dim"], p["kv_dtype"], p["tree"] is not None, -(-(p["tree"] or 0) // 32))
+  return (p["head_dim"], p["kv_dtype"], p["tree"] is not None, -(-(p["tree"] or 0) // 32),
+          p["block"] is not None)
 
 
 def config_key(case: Case, the_plan=None) -> tuple:
@@ -234,13 +241,22 @@ def call(case: Case):
     kvd = jnp.dtype(p["kv_dtype"])
     r = p["tree"]
 
-    def fn(q, kc, vc, pos, ks, vs, ts, tp, tv):
-      return decode_attention.decode_attention(
-          q, kc, vc, pos, chunk_size=p["chunk"], k_scale=ks, v_scale=vs, tree_start=ts,
-          tree_positions=tp, tree_visible=tv, implementation="pallas")
-    scales = (_sds((1, s, kv), F32),) * 2 if kvd == FP8 else (None, None)
+    bs = p["block"]
+    kw = lambda ks, vs, ts, tp, tv: dict(
+        chunk_size=p["chunk"], k_scale=ks, v_scale=vs, tree_start=ts, tree_positions=tp,
+        tree_visible=tv, implementation="pallas")
+    # Paged: one row's blocks, a pool of exactly as many (the kernel's shapes do not depend on N).
+    lead = (1, s) if bs is None else (s // bs, bs)
+    scales = (_sds(lead + (kv,), F32),) * 2 if kvd == FP8 else (None, None)
     tree = ((_sds((1,), jnp.int32), _sds((1, r), jnp.int32), _sds((1, t, r), jnp.bool_)) if r
             else (None, None, None))
-    args = (_sds((1, t, h, dh), BF16), _sds((1, s, kv, dh), kvd), _sds((1, s, kv, dh), kvd),
-            _sds((1, t), jnp.int32), *scales, *tree)
+    q_args = (_sds((1, t, h, dh), BF16), _sds(lead + (kv, dh), kvd), _sds(lead + (kv, dh), kvd))
+    if bs is None:
+      def fn(q, kc, vc, pos, *rest):
+        return decode_attention.decode_attention(q, kc, vc, pos, **kw(*rest))
+      args = (*q_args, _sds((1, t), jnp.int32), *scales, *tree)
+    else:
+      def fn(q, kc, vc, table, pos, *rest):
+        return decode_attention.decode_attention_paged(q, kc, vc, table, pos, **kw(*rest))
+      args = (*q_args, _sds((1, s // bs), jnp.int32), _sds((1, t), jnp.int32), *scales, *tree)
   return fn, args

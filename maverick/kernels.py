@@ -465,48 +465,71 @@ def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None, plan
 
 
 def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tree,
-                    kv_scales: dict, kernels: str | None, plan=None):
+                    kv_scales: dict, kernels: str | None, plan=None, block_table=None):
   """Decode / verify / tree-verify attention of T new queries over the KV cache, or None.
-  `plan`: a sharded model's; the kernel runs on each device's rows and heads of q and the cache
-  (sharded by KV heads, `sharding.constrain_cache`)."""
+  `block_table` [B, M]: the cache is paged, k_cache/v_cache (and any kv_scales) are the layer's
+  pools [N, bs, K, ...] and the kernel reads them through the table (no gather); a None return
+  leaves the gather to the caller's XLA path. `plan`: a sharded model's; the kernel runs on
+  each device's rows and heads of q and the cache (sharded by KV heads,
+  `sharding.constrain_cache`; paged pools have no row axis and go whole to every row shard)."""
   if kernels == "xla":
     return None
+  paged = block_table is not None
   # Static FP8 KV: the kernel reads a scale per slot, so it gets the layer's scalar broadcast to
-  # [B, S, K], built per call (the bytes the dynamic mode's scale arrays cost), never stored.
+  # [B, S, K] (paged: [N, bs, K]), built per call (the bytes the dynamic mode's scales cost).
   kv_scales = {n: jnp.broadcast_to(s, k_cache.shape[:3]) for n, s in kv_scales.items()}
   if plan is not None:
     q_spec, kv_spec = _head_specs(plan, q.shape[0])
     rows = q_spec[0]
     tree_leaves, treedef = jax.tree.flatten(tree)
     names = sorted(kv_scales)
+    if paged:
+      kv_spec = P(None, *kv_spec[1:])
 
-    def local(q_, kc, vc, pos, scales, leaves):
+    def local(q_, kc, vc, pos, scales, leaves, table):
       tree_ = None if tree is None else jax.tree.unflatten(treedef, leaves)
       return cache_attention(q_, kc, vc, pos, chunk_size, tree_, dict(zip(names, scales)),
-                             kernels)
+                             kernels, block_table=table)
 
-    args = (q, k_cache, v_cache, q_positions, [kv_scales[n] for n in names], tree_leaves)
+    args = (q, k_cache, v_cache, q_positions, [kv_scales[n] for n in names], tree_leaves,
+            block_table)
     # KV scales [B, S, K] split like the cache; tree leaves ([B], [B, R], [B, T, R]) by rows.
-    specs = (q_spec, kv_spec, kv_spec, P(rows, None), [P(rows, None, kv_spec[2])] * len(names),
-             [P(rows, *([None] * (a.ndim - 1))) for a in tree_leaves])
+    specs = (q_spec, kv_spec, kv_spec, P(rows, None), [P(kv_spec[0], None, kv_spec[2])] * len(names),
+             [P(rows, *([None] * (a.ndim - 1))) for a in tree_leaves],
+             P(rows, None) if paged else None)
     return _on_shards(plan, local, args, specs, q_spec)
-  ok = (decode.pallas_support(q, k_cache, None if tree is None else tree.positions.shape[1])[0]
-        and q.shape[1] <= 64)
+  tree_size = None if tree is None else tree.positions.shape[1]
+  if paged:
+    ok = decode.pallas_support_paged(q, k_cache, block_table, tree_size)[0]
+  else:
+    ok = decode.pallas_support(q, k_cache, tree_size)[0]
+  ok = ok and q.shape[1] <= 64
   names = ["k_scale", "v_scale"] if kv_scales else []
   extras = [kv_scales[n] for n in names]
   if tree is not None:
     names += ["tree_start", "tree_positions", "tree_visible"]
     extras += [tree.start, tree.positions, tree.visible]
+  lead = (q, k_cache, v_cache) + ((block_table,) if paged else ())
 
-  def run(implementation, q, k_cache, v_cache, q_positions, *extras):
-    return decode.decode_attention(q, k_cache, v_cache, q_positions, chunk_size=chunk_size,
-                                   **dict(zip(names, extras)), implementation=implementation)
+  def run(implementation, q, k_cache, v_cache, *rest):
+    kw = dict(chunk_size=chunk_size, implementation=implementation)
+    if paged:
+      return decode.decode_attention_paged(q, k_cache, v_cache, *rest[:2], **kw,
+                                           **dict(zip(names, rest[2:])))
+    return decode.decode_attention(q, k_cache, v_cache, rest[0], **kw,
+                                   **dict(zip(names, rest[1:])))
 
   def make_args(rng):
     B, T = q_positions.shape
-    S = k_cache.shape[1]
     args = [_normal(rng, q.shape, q.dtype), _normal(rng, k_cache.shape, k_cache.dtype),
             _normal(rng, v_cache.shape, v_cache.dtype)]
+    if paged:  # every row's blocks: distinct pool blocks in a random order
+      N, M = k_cache.shape[0], block_table.shape[1]
+      ids = np.stack([rng.permutation(max(N, M))[:M] % N for _ in range(B)])
+      args.append(jnp.asarray(ids.astype(np.int32)))
+      S = M * k_cache.shape[1]
+    else:
+      S = k_cache.shape[1]
     if tree is None:  # T new tokens at the end of a random prefix
       ends = rng.integers(T, S + 1, B)
       args.append(jnp.asarray((ends[:, None] - T + np.arange(T)).astype(np.int32)))
@@ -523,11 +546,13 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
                jnp.asarray(rng.random((B, T, R)) < 0.5)]
     return tuple(args)
 
+  cache_desc = f"cache {_sig(k_cache)}" + (f" paged by {_sig(block_table)}" if paged else "")
   probe = selfcheck.Probe(
-      "decode_attention", f"q {_sig(q)} over cache {_sig(k_cache)}"
+      "decode_attention_paged" if paged else "decode_attention",
+      f"q {_sig(q)} over {cache_desc}"
       + (f" with a {tree.positions.shape[1]}-slot tree" if tree is not None else ""),
-      f"{_sig(q, k_cache, v_cache, q_positions, *extras)} chunk={chunk_size}",
+      f"{_sig(*lead, q_positions, *extras)} chunk={chunk_size}",
       make_args, run, PROBE_TOL)
   if not use_pallas(kernels, ok, probe):
     return None
-  return run("pallas", q, k_cache, v_cache, q_positions, *extras)
+  return run("pallas", *lead, q_positions, *extras)

@@ -319,8 +319,8 @@ class Attention(nnx.Module):
     tree (see TreeMask). `fuse` (maverick.kernels.Fuse): the o projection's all-reduce fused
     with the residual add and the next norm; the output is then (new residual, normed) where the
     site fuses (see DecoderLayer). `block_table` [B, M]: the cache is paged (kv_cache.PagedKVCache:
-    `layer_cache` holds the block pools); new entries are scattered through the table and attention
-    reads the gathered contiguous view, so everything after the gather is the contiguous path."""
+    `layer_cache` holds the block pools); new entries are scattered through the table; the decode
+    kernel reads the pools through the table, the XLA path the gathered contiguous view."""
     q, k, v = self.project(x_btd, positions_bt)
     static_scales, new_scales = None, {}
     if self.k_cache_scale is not None:
@@ -346,13 +346,10 @@ class Attention(nnx.Module):
         new = (kq, vq)
       if block_table is None:
         new_cache = tuple(kvc.write(c, x, cache_lengths) for c, x in zip(layer_cache, new))
-        view = new_cache
       else:
         new_cache = tuple(kvc.write_paged(c, x, cache_lengths, block_table)
                           for c, x in zip(layer_cache, new))
-        # For now the kernel path reads the gathered view too (a block-table kernel is issue 29's
-        # step 5); on the XLA path this gather is the only difference from a contiguous cache.
-        view = tuple(kvc.gather(c, block_table) for c in new_cache)
+      view = new_cache  # paged: the pools, which the kernel reads through the block table
       if attend_to_cache:
         kv_scales = {}
         if len(view) == 4:
@@ -361,8 +358,11 @@ class Attention(nnx.Module):
           kv_scales = static_scales
         out = kernels_lib.cache_attention(q, view[0], view[1], positions_bt,
                                           self.chunk_size, tree, kv_scales, self.kernels,
-                                          sharding_plan.plan_of(self))
+                                          sharding_plan.plan_of(self), block_table)
         if out is None:
+          if block_table is not None:  # XLA reads the gathered contiguous view
+            view = tuple(kvc.gather(c, block_table) for c in new_cache)
+            kv_scales = dict(k_scale=view[2], v_scale=view[3]) if len(view) == 4 else kv_scales
           mask = cache_mask(positions_bt, view[0].shape[1], self.chunk_size, tree)
           out = attention(q, view[0], view[1], mask, **kv_scales)
         return self.output(out, fuse), new_cache

@@ -3,8 +3,9 @@ unsupported by its op's resource planner (never a Mosaic GPU error at build time
 
 The sweep (maverick.kernel_sweep): q/k/v/o, dense gate/up/down (Maverick), shared expert
 gate/up/down, router and lm_head GEMMs; the routed experts' grouped GEMMs (gate/up SwiGLU, down);
-prefill attention (chunked and global) and decode/verify attention (T = 1..4 queries, tree) at
-TP 1/4/8, BF16 and FP8, M in kernel_sweep.TOKENS, sm90 and sm100: ~8k calls.
+prefill attention (chunked and global) and decode/verify attention (T = 1..4 queries, tree; over a
+contiguous and over a paged cache) at TP 1/4/8, BF16 and FP8, M in kernel_sweep.TOKENS, sm90 and
+sm100: ~10k calls.
 
 Why CI lowers one case per distinct planner config and not all ~1.9k distinct lowerings: what
 Mosaic GPU checks when it lowers (SMEM and TMEM allocation, barriers, swizzles and layouts, wgmma /

@@ -37,13 +37,14 @@ def _sample_cases():
   picks = {}
   for case in ks.cases(models=("maverick",), tps=(1, 8), tokens=(1, 200, 4096)):
     if case.name not in ("q", "o", "experts.gate_up", "experts.down", "prefill", "decode T=1",
-                         "tree T=8"):
+                         "tree T=8", "paged decode T=1", "paged tree T=8"):
       continue
     plan = ks.plan(case)
-    picks.setdefault((case.op, case.arch, case.precision, plan.config), case)
+    paged = case.p.get("block") is not None  # the paged kernel also keeps a tile-id table
+    picks.setdefault((case.op, case.arch, case.precision, plan.config, paged), case)
   by_op = {}
-  for (op, arch, precision, _), case in picks.items():
-    by_op.setdefault((op, arch, precision), []).append(case)
+  for (op, arch, precision, _, paged), case in picks.items():
+    by_op.setdefault((op, arch, precision, paged), []).append(case)
   return [c for cases in by_op.values() for c in cases[:2]]
 
 

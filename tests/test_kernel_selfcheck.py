@@ -290,3 +290,42 @@ def test_processes_agree_on_one_outcome(monkeypatch):
   monkeypatch.setattr(selfcheck, "_check", lambda probe: (dict(ok=False, reason="boom"), True))
   _auto_linear_twice()
   assert gathered == [1, 0]
+
+
+def _paged_call(fp8: bool):
+  """cache_attention in auto mode on pools [N=6, 128, 1, 64] through a [2, 2] block table."""
+  rng = np.random.default_rng(9)
+  kv = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+  pool = lambda: jnp.asarray(rng.standard_normal((6, 128, 1, 64)), kv)
+  scales = ({n: jnp.asarray(rng.uniform(0.5, 2, (6, 128, 1)), jnp.float32)
+             for n in ("k_scale", "v_scale")} if fp8 else {})
+  q = jnp.asarray(rng.standard_normal((2, 2, 4, 64)), jnp.bfloat16)
+  table = jnp.asarray([[4, 1], [0, 5]], jnp.int32)
+  positions = jnp.asarray([[140, 141], [90, 91]], jnp.int32)
+  return kernels_lib.cache_attention(q, pool(), pool(), positions, None, None, scales, None,
+                                     block_table=table)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_probe_of_the_paged_decode_kernel_passes(fp8):
+  """The paged probe draws pools and a table of distinct shuffled blocks (and pool scales)."""
+  _probe_passes(lambda: _paged_call(fp8))
+  assert any("decode_attention_paged" in key for key in _cache())
+
+
+def test_paged_decode_kernel_that_disagrees_falls_back(monkeypatch):
+  """A paged kernel that ignores the block table (reads the pool as if contiguous) fails its
+  probe: XLA runs, with one warning naming the op."""
+  from pallas_kernels.decode_attention import api as decode_api
+  real = decode_api._pallas_paged
+
+  def ignores_table(q, k, v, table, *rest):
+    return real(q, k, v, jnp.broadcast_to(jnp.arange(table.shape[1], dtype=jnp.int32),
+                                          table.shape), *rest)
+  monkeypatch.setattr(decode_api, "_pallas_paged", ignores_table)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with pallas_kernels.interpret(detect_races=False), selfcheck.force():
+      out = _paged_call(False)
+  warned = [w for w in caught if issubclass(w.category, selfcheck.KernelFallbackWarning)]
+  assert out is None and len(warned) == 1 and "decode_attention_paged" in str(warned[0].message)

@@ -14,6 +14,8 @@ model on the XLA path), position by position, and the kernel path is bounded by 
 own error (`_agree`). Measured numbers: tests/NUMERICS.md.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -341,3 +343,45 @@ def test_fp8_kv_prefill_kernel_reads_stored_kv(monkeypatch):
     np.testing.assert_array_equal(np.asarray(fed, np.float32),
                                   np.asarray(jnp.asarray(stored).astype(jnp.bfloat16), np.float32))
   assert _rel(got, want) < 1e-2  # measured 4.0e-3; raw K/V fed to the kernel: 3.1e-2
+
+
+def test_paged_decode_reads_pools_through_the_table(monkeypatch):
+  """A verify step (T = 2) on a paged cache (64-slot blocks, shuffled tables, garbage in spare
+  blocks, the chunked layers' first block released): with kernels the decode attention reads
+  the pools through the block table (decode_attention_paged, no kv_cache.gather), and the logits
+  match the XLA path, which gathers. The linears and experts stay on XLA here (their kernels are
+  covered above; interpret mode is slow)."""
+  from pallas_kernels.decode_attention import api as decode_api
+  # kernels is linear's 6th and moe_experts' 7th positional argument
+  for name, i in (("linear", 5), ("moe_experts", 6)):
+    monkeypatch.setattr(kernels_lib, name, lambda *a, _f=getattr(kernels_lib, name), _i=i, **kw:
+                        _f(*a[:_i], "xla", *a[_i + 1:], **kw))
+  gathers, paged_calls = [], []
+  real_gather, real_paged = kvc.gather, decode_api._pallas_paged
+  monkeypatch.setattr(kvc, "gather", lambda *a: gathers.append(1) or real_gather(*a))
+  monkeypatch.setattr(decode_api, "_pallas_paged",
+                      lambda *a: paged_calls.append(1) or real_paged(*a))
+  cfg = aligned_config(2)
+  model = model_lib.init_model(cfg, seed=0)
+  rng = np.random.default_rng(7)
+  B, M, bs = 2, 4, 64
+  layer_table = tuple(int(cfg.is_chunked(i)) for i in range(cfg.num_hidden_layers))
+  cache = kvc.PagedKVCache.init(cfg, B, 12, M, bs, layer_table=layer_table)
+  fill = lambda xs: tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in xs)
+  tables = np.stack([rng.permutation(12)[:B * M].reshape(B, M) for _ in range(2)], axis=1)
+  tables[:, 1, 0] = kvc.NO_BLOCK  # chunked layers: block 0 lies before the chunk at 128
+  cache = dataclasses.replace(cache, k=fill(cache.k), v=fill(cache.v)).with_tables(tables)
+  cache = cache.with_lengths(jnp.array([150, 200], jnp.int32))
+  tokens = jnp.asarray(rng.integers(0, 512, (B, 2)), jnp.int32)
+
+  def step():
+    return np.asarray(model_lib.apply(*nnx.split(model), tokens, cache=cache).logits, np.float32)
+  kernels_lib.set_kernels(model, "xla")
+  xla = step()
+  assert gathers and not paged_calls
+  gathers.clear()
+  with pallas_kernels.interpret(detect_races=False):
+    kernels_lib.set_kernels(model, "pallas")
+    pallas = step()
+  assert paged_calls and not gathers, (paged_calls, gathers)
+  assert _rel(pallas, xla) < 2e-2

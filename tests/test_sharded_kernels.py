@@ -15,6 +15,7 @@ whole model deadlocked. So the sharded kernel path is shown in three parts:
   3. each kernel at its TP8 shard shape in interpret mode against the XLA path.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -247,3 +248,46 @@ def test_kernels_at_tp8_shard_shapes_in_interpret_mode():
       out = call("pallas")
       assert out is not None, f"{name}: the kernel does not take the shard shape"
       assert _rel(out, refs[name]) < 1e-2, name
+
+
+@pytest.mark.parametrize("layout,mesh_kw,local", [
+    ("tp", dict(tensor=8), dict(rows=B, heads=1)),
+    ("ep", dict(expert=2, tensor=4), dict(rows=B // 2, heads=2))])
+def test_paged_decode_kernel_gets_local_pools_and_table(monkeypatch, layout, mesh_kw, local):
+  """A decode step on a paged cache (shuffled tables over a shared pool) with kernels="pallas":
+  decode_attention_paged (its XLA reference, as above) gets the device's KV heads of the WHOLE
+  pools (they have no row axis) and its rows of the block table, and the logits match the
+  sharded XLA path (which gathers). Only the attention entry point is swapped: the other helpers
+  stay on XLA (kernels="xla" for them)."""
+  seen = []
+  original = decode_attention.decode_attention_paged
+
+  def ref(*args, **kw):
+    seen.append(tuple(a.shape for a in args))
+    return original(*args, **dict(kw, implementation="xla"))
+  monkeypatch.setattr(decode_attention, "decode_attention_paged", ref)
+  for name, i in (("linear", 5), ("moe_experts", 6)):  # the kernels argument
+    monkeypatch.setattr(kernels_lib, name, lambda *a, _f=getattr(kernels_lib, name), _i=i, **kw:
+                        _f(*a[:_i], "xla", *a[_i + 1:], **kw))
+  monkeypatch.setattr(kernels_lib, "fuses_residual_norm", lambda *a: False)
+  model = _sharded(layout, mesh_kw)
+  plan = sharding.plan_of(model)
+  M, bs, N = 2, 64, 6
+  cache = kvc.PagedKVCache.init(model.config, B, N, M, bs)
+  rng = np.random.default_rng(3)
+  fill = lambda xs: tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in xs)
+  cache = dataclasses.replace(cache, k=fill(cache.k), v=fill(cache.v))
+  cache = cache.with_tables(rng.permutation(N)[:B * M].reshape(B, 1, M))
+  cache = sharding.constrain_cache(cache.with_lengths(jnp.array([100, 37], jnp.int32)), plan)
+  tokens = jnp.asarray(rng.integers(0, 512, (B, 1)), jnp.int32)
+  step = lambda: np.asarray(model_lib.apply(*nnx.split(model), tokens, cache=cache).logits,
+                            np.float32)
+  kernels_lib.set_kernels(model, "xla")
+  ref_logits = step()
+  assert not seen
+  with pallas_kernels.interpret():
+    kernels_lib.set_kernels(model, "pallas")
+    out = step()
+  r, h = local["rows"], local["heads"]
+  assert set(seen) == {((r, 1, h, 64), (N, bs, h, 64), (N, bs, h, 64), (r, M), (r, 1))}, seen
+  assert _rel(out, ref_logits) < 1e-2

@@ -1,5 +1,7 @@
 """Decode / verify attention over a KV cache (split-K flash-decoding on Hopper)."""
 
-from pallas_kernels.decode_attention.api import decode_attention, pallas_support
+from pallas_kernels.decode_attention.api import (decode_attention, decode_attention_paged,
+                                                 pallas_support, pallas_support_paged)
 
-__all__ = ["decode_attention", "pallas_support"]
+__all__ = ["decode_attention", "decode_attention_paged", "pallas_support",
+           "pallas_support_paged"]

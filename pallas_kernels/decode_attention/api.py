@@ -6,6 +6,9 @@ k_scale, v_scale), see reference.py): slot s holds position s; query at position
 tree_start .. tree_start+R-1 hold positions tree_positions and query t sees tree slot r iff
 tree_visible[b, t, r] and the positional mask allows it; slots after the block are invisible.
 A query that sees no slot returns 0 (the model never produces one).
+
+decode_attention_paged: the same over a paged cache (pools + block table); the kernel reads each
+KV tile from its block (see plan.py for the tile / block size choice), "xla" gathers first.
 """
 
 from __future__ import annotations
@@ -108,9 +111,46 @@ def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
 @functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
 def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
             tree_positions, tree_visible, num_splits, sm_scale, mode):
+  return _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
+              tree_positions, tree_visible, num_splits, sm_scale, mode, None)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
+def _pallas_paged(q, k_pool, v_pool, block_table, q_positions, chunk_size, k_scale, v_scale,
+                  tree_start, tree_positions, tree_visible, num_splits, sm_scale, mode):
+  return _run(q, k_pool, v_pool, q_positions, chunk_size, k_scale, v_scale, tree_start,
+              tree_positions, tree_visible, num_splits, sm_scale, mode, block_table)
+
+
+def _split_tiles(block_table, block_size, split_first, num_blocks, per_max):
+  """[B, num_splits, R, W] int32: the pool tile (of BLOCK_KV slots; the pool reshaped to
+  [N * block_size // BLOCK_KV, BLOCK_KV, ...]) that KV step i of each split reads, at [i // W,
+  i % W]. Tile t of row b lives in block block_table[b, t // per_block]. NO_BLOCK (< 0) entries
+  map to tile 0 so that every id is in range; the bounds never step onto them (they hold
+  positions outside every query's mask), so tile 0 is not read for them. W (a multiple of 4,
+  at most 128) and R keep the per-CTA TMA copy within the 16-byte / 256-element box rules."""
+  per_block = block_size // BLOCK_KV
+  t = jnp.arange(num_blocks, dtype=jnp.int32)
+  blk = jnp.take(block_table.astype(jnp.int32), t // per_block, axis=1)  # [B, num_blocks]
+  phys = jnp.where(blk >= 0, blk * per_block + t % per_block, 0)
+  W = min(128, -(-per_max // 4) * 4)
+  R = -(-per_max // W)
+  i = jnp.arange(R * W, dtype=jnp.int32)
+  logical = jnp.clip(split_first[:, :, None] + i, 0, num_blocks - 1)  # [B, splits, R*W]
+  tiles = jnp.take_along_axis(phys[:, None, :], logical, axis=2)
+  return tiles.reshape(tiles.shape[:2] + (R, W))
+
+
+def _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
+         tree_positions, tree_visible, num_splits, sm_scale, mode, block_table):
+  """The kernel on a contiguous cache (block_table None) or on pools + block table."""
   kernel = _kernel_module(mode[1])
   B, T, H, Dh = q.shape
-  S, K = k_cache.shape[1], k_cache.shape[2]
+  K = k_cache.shape[2]
+  if block_table is None:
+    S = k_cache.shape[1]
+  else:
+    S = block_table.shape[1] * k_cache.shape[1]  # the logical cache: table entries x block
   G = H // K
   M = T * G
   Mpad = -(-M // kernel.BLOCK_M) * kernel.BLOCK_M
@@ -118,6 +158,8 @@ def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree
   num_blocks = S // BLOCK_KV
   if num_splits is None:
     num_splits = default_num_splits(B * K * num_m, num_blocks)
+  if block_table is not None:  # a split's tile ids fit its SMEM table (plan.MAX_SPLIT_TILES)
+    num_splits = max(num_splits, -(-num_blocks // plan_lib.MAX_SPLIT_TILES))
   num_splits = min(num_splits, num_blocks)
 
   q_positions = q_positions.astype(jnp.int32)
@@ -164,15 +206,27 @@ def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree
                       jnp.broadcast_to(t_start[:, None], split_first.shape),
                       jnp.broadcast_to(t_end[:, None], split_first.shape)], axis=-1)
 
-  ks = vs = None
-  if k_scale is not None:
-    # [B, K, S] so one TMA copy per tile reads a contiguous run of scales (~1.5% of the fp8 bytes).
-    ks = jnp.transpose(k_scale, (0, 2, 1))
-    vs = jnp.transpose(v_scale, (0, 2, 1))
+  ks = vs = tiles = None
+  if block_table is None:
+    if k_scale is not None:
+      # [B, K, S]: one TMA copy per tile reads a contiguous run of scales (~1.5% of fp8 bytes).
+      ks = jnp.transpose(k_scale, (0, 2, 1))
+      vs = jnp.transpose(v_scale, (0, 2, 1))
+  else:
+    bs = k_cache.shape[1]
+    tiles = _split_tiles(block_table, bs, split_first, num_blocks, -(-num_blocks // num_splits))
+    # Pools [N, bs, K, Dh] -> [N * bs/64, 64, K, Dh]: a free reshape, one TMA box per tile.
+    as_tiles = lambda x: x.reshape((-1, BLOCK_KV) + x.shape[2:])
+    k_cache, v_cache = as_tiles(k_cache), as_tiles(v_cache)
+    if k_scale is not None:
+      # [N * bs/64, K, 64] (a transpose of the whole scale pool, ~3% of the fp8 pool's bytes;
+      # a pool stored kv-head-major would avoid it).
+      ks = jnp.transpose(as_tiles(k_scale), (0, 2, 1))
+      vs = jnp.transpose(as_tiles(v_scale), (0, 2, 1))
   out, lse = kernel.split_attention(
       q_packed, k_cache, v_cache, ks, vs, pos_rows, cs_rows, tree_bits, bounds.astype(jnp.int32),
       num_kv_heads=K, num_splits=num_splits, block_kv=BLOCK_KV, sm_scale=sm_scale,
-      compute_wgs=mode[2], stages=mode[3])
+      compute_wgs=mode[2], stages=mode[3], tile_table=tiles)
   out = combine(out.astype(jnp.float32), lse)  # [B*K, Mpad, Dh] f32
   out = out[:, :M].reshape(B, K, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
   return out.astype(q.dtype)
@@ -228,4 +282,69 @@ def pallas_support(q, k_cache, tree_size: int | None = None, *, arch: str | None
   B, T, H, Dh = q.shape
   p = plan_lib.plan(T, H, k_cache.shape[2], Dh, k_cache.shape[1], k_cache.dtype, q.dtype,
                     tree_size=tree_size, arch=arch)
+  return p.supported, p.why
+
+
+def _validate_paged(k_pool, v_pool, block_table, k_scale, v_scale):
+  check = common.check
+  check(k_pool.ndim == 4, f"k_pool: got {_shape(k_pool)}; expected [num_blocks, block_size, K, Dh]")
+  check(v_pool.shape == k_pool.shape,
+        f"v_pool: got {_shape(v_pool)}; expected the shape of k_pool {tuple(k_pool.shape)}")
+  check(block_table.ndim == 2 and jnp.issubdtype(block_table.dtype, jnp.integer),
+        f"block_table: got {_shape(block_table)}; expected int32 [B, max_blocks_per_row]")
+  for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+    check(s is None or s.shape == k_pool.shape[:3],
+          f"{name}: got {_shape(s) if s is not None else None}; a paged FP8 cache takes scale "
+          f"pools [num_blocks, block_size, K] = {tuple(k_pool.shape[:3])}")
+
+
+def decode_attention_paged(q, k_pool, v_pool, block_table, q_positions, *,
+                           chunk_size: int | None = None, k_scale=None, v_scale=None,
+                           tree_start=None, tree_positions=None, tree_visible=None,
+                           num_splits: int | None = None, sm_scale: float | None = None,
+                           implementation: str | None = None):
+  """decode_attention over a paged cache: k_pool/v_pool [N, bs, K, Dh] (FP8: k_scale/v_scale
+  [N, bs, K]) and block_table [B, M] int32: slot s of row b (position s, as in the contiguous
+  cache of M * bs slots) is pool[block_table[b, s // bs], s % bs]; entries < 0 hold no block
+  and must lie outside every query's mask. The kernel reads each 64-slot KV tile straight from
+  its block (bs must be a multiple of 64; see plan.py), never materialising the contiguous
+  view; "xla" gathers that view (reference.gather_pages) and runs the reference."""
+  _validate_paged(k_pool, v_pool, block_table, k_scale, v_scale)
+  B = q.shape[0]
+  common.check(block_table.shape[0] == B,
+               f"block_table: got {_shape(block_table)}; expected [B={B}, M] matching q")
+  view = jax.ShapeDtypeStruct((B, block_table.shape[1] * k_pool.shape[1]) + k_pool.shape[2:],
+                              k_pool.dtype)
+  scale_view = None if k_scale is None else jax.ShapeDtypeStruct(view.shape[:3], k_scale.dtype)
+  _validate(q, view, view, q_positions, chunk_size, scale_view, scale_view, tree_start,
+            tree_positions, tree_visible, num_splits)
+  Dh = q.shape[3]
+  sm_scale = float(Dh ** -0.5 if sm_scale is None else sm_scale)
+  interpreting = common.interpreting()
+  plan = plan_lib.plan(
+      q.shape[1], q.shape[2], k_pool.shape[2], Dh, view.shape[1], k_pool.dtype, q.dtype,
+      tree_size=None if tree_positions is None else tree_positions.shape[1],
+      arch=common.runnable_arch(), interpreting=interpreting,
+      compute_wgs=INTERPRET_COMPUTE_WGS if interpreting else COMPUTE_WGS,
+      block_size=k_pool.shape[1])
+  impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
+  if impl == "xla":
+    gather = lambda x: None if x is None else reference.gather_pages(x, block_table)
+    return reference.decode_attention(
+        q, gather(k_pool), gather(v_pool), q_positions, chunk_size=chunk_size,
+        k_scale=gather(k_scale), v_scale=gather(v_scale), tree_start=tree_start,
+        tree_positions=tree_positions, tree_visible=tree_visible, sm_scale=sm_scale)
+  mode = (interpreting, common.target_arch(), plan.config.compute_wgs, plan.config.stages)
+  return _pallas_paged(q, k_pool, v_pool, block_table.astype(jnp.int32), q_positions,
+                       chunk_size, k_scale, v_scale, tree_start, tree_positions, tree_visible,
+                       num_splits, sm_scale, mode)
+
+
+def pallas_support_paged(q, k_pool, block_table, tree_size: int | None = None, *,
+                         arch: str | None = None) -> tuple[bool, str]:
+  """pallas_support for decode_attention_paged (arrays or ShapeDtypeStructs)."""
+  B, T, H, Dh = q.shape
+  p = plan_lib.plan(T, H, k_pool.shape[2], Dh, block_table.shape[1] * k_pool.shape[1],
+                    k_pool.dtype, q.dtype, tree_size=tree_size, arch=arch,
+                    block_size=k_pool.shape[1])
   return p.supported, p.why

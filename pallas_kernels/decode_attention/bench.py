@@ -6,7 +6,13 @@ plus a 128k chunked layer (chunk 8192: only the last chunk is read). Decode atte
 bound: `bytes` is the visible K/V cache (and fp8 scales) read once; goal >= 70% of HBM bandwidth
 at 8k. Baseline: cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`)
 with key_value_seq_lengths, bf16 only (it reads the same cache; for T=4 it skips the causal mask
-among the 4 new tokens, which costs it nothing)."""
+among the 4 new tokens, which costs it nothing).
+
+Paged (decode_attention_paged): the same verify shapes over 64-slot blocks scattered through a
+pool by a shuffled block table; baseline "gather+kernel" is what the model ran before the paged
+kernel (kv_cache.gather's copy of the contiguous view, then the contiguous kernel). Goal: the
+paged kernel within a few % of the contiguous one (same bytes, one TMA copy per tile either
+way)."""
 
 from __future__ import annotations
 
@@ -75,6 +81,41 @@ def benchmark_cases(toy: bool) -> list[common.BenchCase]:
         reference=functools.partial(call, impl="xla"),
         baselines=baselines, flops=4.0 * B * T * H * visible * Dh, bytes=float(kv_bytes),
         max_rel_error=2e-2, goal=">= 70% of HBM bandwidth" if S == 8192 else ""))
+  if not toy:
+    cases += _paged_cases(B, H, K, Dh)
+  return cases
+
+
+def _paged_cases(B, H, K, Dh, bs=api.BLOCK_KV, T=4) -> list[common.BenchCase]:
+  cases = []
+  for S, fp8 in ((8192, False), (131072, False), (8192, True)):
+    q, k, v, scales = _make(jax.random.key(S + fp8 + 7), B, T, H, K, Dh, S, fp8)
+    M = S // bs
+    # Row b's blocks: a random permutation of the pool (no two rows share a block).
+    table = jax.random.permutation(jax.random.key(S), B * M).astype(jnp.int32).reshape(B, M)
+    to_pool = lambda x: jnp.zeros((B * M, bs) + x.shape[2:], x.dtype).at[table.reshape(-1)].set(
+        x.reshape((B * M, bs) + x.shape[2:]))
+    pools = tuple(to_pool(x) for x in (k, v, *scales))
+    q_positions = jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T))
+    args = (q, pools[0], pools[1], table, q_positions, *pools[2:])
+    kv_bytes = 2 * B * S * K * Dh * jnp.dtype(k.dtype).itemsize + (2 * B * S * K * 4 if fp8 else 0)
+
+    def call(q, kp, vp, table, pos, *sc, impl):
+      kw = dict(zip(("k_scale", "v_scale"), sc))
+      return api.decode_attention_paged(q, kp, vp, table, pos, implementation=impl, **kw)
+
+    def gather_then_kernel(q, kp, vp, table, pos, *sc):
+      g = lambda x: reference.gather_pages(x, table)
+      kw = dict(zip(("k_scale", "v_scale"), (g(x) for x in sc)))
+      return api.decode_attention(q, g(kp), g(vp), pos, implementation="pallas", **kw)
+
+    cases.append(common.BenchCase(
+        op="decode_attention", name=f"paged verify B={B} T={T} H={H} K={K} Dh={Dh} ctx={S} "
+        f"block={bs} {'fp8' if fp8 else 'bf16'} KV", args=args,
+        kernel=functools.partial(call, impl="pallas"),
+        reference=functools.partial(call, impl="xla"),
+        baselines={"gather+kernel": gather_then_kernel}, flops=4.0 * B * T * H * S * Dh,
+        bytes=float(kv_bytes), max_rel_error=2e-2, goal="within a few % of the contiguous kernel"))
   return cases
 
 

@@ -4,7 +4,7 @@ kernel takes a call and with how many K/V pipeline stages (see pallas_kernels/re
 Per CTA: the packed query tile, a `stages`-deep ring of K and V tiles (plus their scales and bf16
 conversion buffers for an FP8 cache), per-row positions / chunk starts / tree bit words, the
 partial output, log-sum-exp and P tiles of each compute warpgroup, and on sm_100 the S and O
-accumulators in TMEM. The stage count starts at the architecture's `smem_plan` (its SMEM budget)
+accumulators in TMEM; on a paged cache, the split's tile ids. The stage count starts at the architecture's `smem_plan` (its SMEM budget)
 and drops (by whole multiples of the compute warpgroups) until everything fits.
 """
 
@@ -24,6 +24,15 @@ COMPUTE_WGS = 2
 # The CPU interpreter runs each warpgroup as a thread blocked in XLA callbacks; see api.py.
 INTERPRET_COMPUTE_WGS = 1
 MAX_TREE = 128  # tree visibility travels as 4 int32 bit words per query row
+# Paged cache (pools [N, block_size, K, Dh] + block table [B, M]): the kernel's KV tile stays
+# BLOCK_KV = 64 slots and block_size must be a multiple of it, so a tile never straddles two
+# blocks: one TMA box per tile from pool tile block * (block_size / 64) + offset, the same copy
+# (and the same 64-row wgmma / tcgen05 tiling, SMEM ring and masks) as the contiguous kernel.
+# The alternative, tile = block, would tie the MMA shape and the SMEM ring to the serving
+# block size (a 16-slot block would mean 16-row MMAs); smaller blocks than 64 would need several
+# TMA copies per tile. Each CTA keeps its split's tile ids in SMEM, at most MAX_SPLIT_TILES
+# (4 KiB; 64K slots); longer contexts take more splits.
+MAX_SPLIT_TILES = 1024
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
 
@@ -36,7 +45,8 @@ class Config:
   block_kv: int = BLOCK_KV
 
 
-def usage(cfg: Config, arch: str, Dh: int, kv_dtype, tree_words: int) -> resources.Usage:
+def usage(cfg: Config, arch: str, Dh: int, kv_dtype, tree_words: int,
+          split_tiles: int = 0) -> resources.Usage:
   """What sm90/sm100.split_attention allocates, buffer by buffer."""
   fp8 = jnp.dtype(kv_dtype) == FP8
   C, M, bkv, st = cfg.compute_wgs, cfg.block_m, cfg.block_kv, cfg.stages
@@ -54,6 +64,8 @@ def usage(cfg: Config, arch: str, Dh: int, kv_dtype, tree_words: int) -> resourc
   if tree_words:
     u.smem("tree bits", (tree_words, M), jnp.int32)
   u.smem("bounds", (sm90.NUM_BOUNDS,), jnp.int32)
+  if split_tiles:
+    u.smem("tile ids", (split_tiles,), jnp.int32)
   if arch == "sm90":
     u.smem("partial outputs", (C, M, Dh), BF16)
   u.smem("lse", (C, M), f32)
@@ -67,9 +79,11 @@ def usage(cfg: Config, arch: str, Dh: int, kv_dtype, tree_words: int) -> resourc
 
 def plan(T: int, num_heads: int, num_kv_heads: int, head_dim: int, cache_len: int, kv_dtype,
          q_dtype=jnp.bfloat16, *, tree_size: int | None = None, arch: str | None = None,
-         interpreting: bool | None = None, compute_wgs: int | None = None) -> resources.Plan:
+         interpreting: bool | None = None, compute_wgs: int | None = None,
+         block_size: int | None = None) -> resources.Plan:
   """T new queries per row (num_heads heads over num_kv_heads kv heads) against a cache of
-  cache_len slots; tree_size: the tree block's slots (None: no tree). compute_wgs: default 2 (1
+  cache_len slots; tree_size: the tree block's slots (None: no tree); block_size: a paged
+  cache's (cache_len = table entries x block_size; None: contiguous). compute_wgs: default 2 (1
   in interpret mode)."""
   arch = resources.plan_arch(arch)
   no = lambda why: resources.Plan.unsupported(OP, arch, why)
@@ -82,6 +96,8 @@ def plan(T: int, num_heads: int, num_kv_heads: int, head_dim: int, cache_len: in
     why.append(f"head_dim {head_dim} (supported: {SUPPORTED_HEAD_DIMS})")
   if cache_len % BLOCK_KV:
     why.append(f"cache length {cache_len} is not a multiple of {BLOCK_KV}")
+  if block_size is not None and block_size % BLOCK_KV:
+    why.append(f"paged block size {block_size} is not a multiple of the {BLOCK_KV}-slot KV tile")
   if tree_size is not None and tree_size > MAX_TREE:
     why.append(f"tree of {tree_size} slots (at most {MAX_TREE})")
   if num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -97,7 +113,11 @@ def plan(T: int, num_heads: int, num_kv_heads: int, head_dim: int, cache_len: in
   last = None
   for stages in range(kernel.smem_plan(head_dim, BLOCK_KV, itemsize, C), 0, -C):
     cfg = Config(stages, C, kernel.BLOCK_M)
-    last = usage(cfg, arch, head_dim, kv_dtype, tree_words)
+    split_tiles = 0
+    if block_size is not None:  # the largest split table (padded as api._split_tiles does)
+      n = min(cache_len // BLOCK_KV, MAX_SPLIT_TILES)
+      split_tiles = -(-n // 4) * 4 if n <= 128 else -(-n // 128) * 128
+    last = usage(cfg, arch, head_dim, kv_dtype, tree_words, split_tiles)
     if not last.over(arch):
       return resources.Plan.of(OP, arch, cfg, last)
   return resources.Plan.unsupported(OP, arch, f"no stage count fits: {last.over(arch)}", last)

@@ -68,3 +68,13 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size=None, k_sca
 
 
 decode_attention_jit = jax.jit(decode_attention, static_argnames=("chunk_size", "sm_scale"))
+
+
+def gather_pages(pool, block_table):
+  """The contiguous view [B, M * bs, ...] of pool [N, bs, ...] through block_table [B, M]: slot s
+  of row b is pool[block_table[b, s // bs], s % bs]. Entries < 0 (no block) read as zeros."""
+  B, M = block_table.shape
+  rows = jnp.take(pool, jnp.clip(block_table, 0, pool.shape[0] - 1), axis=0)  # [B, M, bs, ...]
+  keep = (block_table >= 0).reshape((B, M) + (1,) * (pool.ndim - 1))
+  rows = jnp.where(keep, rows, jnp.zeros((), pool.dtype))
+  return rows.reshape((B, M * pool.shape[1]) + pool.shape[2:])

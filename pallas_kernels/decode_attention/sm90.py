@@ -68,10 +68,14 @@ def smem_plan(Dh: int, block_kv: int, kv_itemsize: int, compute_wgs: int) -> int
 
 def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_start, tree_bits,
                     bounds, *, num_kv_heads: int, num_splits: int, block_kv: int,
-                    sm_scale: float, compute_wgs: int, stages: int | None = None):
+                    sm_scale: float, compute_wgs: int, stages: int | None = None,
+                    tile_table=None):
   """q_packed [B*K, Mpad, Dh] bf16; k/v_cache [B, S, K, Dh]; k/v_scale [B, K, S] f32 or None;
   q_pos / chunk_start [B, Mpad] int32; tree_bits [B, W, Mpad] int32 or None;
-  bounds [B, num_splits, 4] int32. Returns (out [P, B*K, Mpad, Dh] bf16 normalised per partial,
+  bounds [B, num_splits, 4] int32. Paged cache (tile_table [B, num_splits, R, W] int32, the
+  pool tile each KV step of a split reads, see stream.stream_kv): k/v_cache are tile pools
+  [num_tiles, block_kv, K, Dh] and k/v_scale [num_tiles, K, block_kv].
+  Returns (out [P, B*K, Mpad, Dh] bf16 normalised per partial,
   lse [P, B*K, Mpad] f32 in log2 units, -inf where a partial saw nothing), P = num_splits *
   compute_wgs: each compute warpgroup keeps its own partial (the XLA combine merges them too).
 
@@ -79,7 +83,8 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
   warpgroup w takes KV steps w, w + compute_wgs, ..., so one's softmax overlaps the other's wgmma
   and TMA refills a slot as soon as its consumer releases it."""
   BK, Mpad, Dh = q_packed.shape
-  B, S, K, _ = k_cache.shape
+  K = num_kv_heads
+  paged = tile_table is not None
   num_m = Mpad // BLOCK_M
   fp8 = k_scale is not None
   has_tree = tree_bits is not None
@@ -101,11 +106,9 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
     else:
       q_g, k_g, v_g, pos_g, cs_g, *rest = refs
       ks_g = vs_g = None
-    if has_tree:
-      bits_g, bounds_g, o_g, lse_g = rest
-    else:
-      bounds_g, o_g, lse_g = rest
-      bits_g = None
+    bits_g = rest.pop(0) if has_tree else None
+    tiles_g = rest.pop(0) if paged else None
+    bounds_g, o_g, lse_g = rest
     mt = lax.axis_index("m")
     split = lax.axis_index("split")
     bk = lax.axis_index("bk")
@@ -114,12 +117,12 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
     kh = lax.rem(bk, jnp.int32(K))
     rows = pl.ds(mt * BLOCK_M, BLOCK_M)
 
-    def scoped(q_s, k_s, v_s, kvb_s, ks_s, vs_s, pos_s, cs_s, bits_s, bounds_s, o_s, lse_s,
+    def scoped(q_s, k_s, v_s, kvb_s, ks_s, vs_s, pos_s, cs_s, bits_s, tiles_s, bounds_s, o_s, lse_s,
                p_s, meta_bar, k_bar, v_bar, ks_bar, vs_bar, k_free, v_free):
       @pl.when(wg == C)
       def _():
-        stream.load_metadata((q_g, pos_g, cs_g, bounds_g, bits_g),
-                             (q_s, pos_s, cs_s, bounds_s, bits_s), meta_bar, b=b, bk=bk,
+        stream.load_metadata((q_g, pos_g, cs_g, bounds_g, bits_g, tiles_g),
+                             (q_s, pos_s, cs_s, bounds_s, bits_s, tiles_s), meta_bar, b=b, bk=bk,
                              split=split, rows=rows)
       plgpu.barrier_wait(meta_bar)
       first_block = bounds_s[0]
@@ -131,7 +134,7 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
         stream.stream_kv((k_g, v_g, ks_g, vs_g), (k_s, v_s, ks_s, vs_s),
                          (k_bar, v_bar, ks_bar, vs_bar), (k_free, v_free), b=b, kh=kh,
                          first_block=first_block, num_steps=num_steps, block_kv=block_kv,
-                         stages=stages)
+                         stages=stages, tiles_s=tiles_s)
 
       @pl.when(wg < C)
       def _consumer():
@@ -222,13 +225,14 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         plgpu.SMEM((num_words, BLOCK_M), jnp.int32) if has_tree else None,
+        plgpu.SMEM(tile_table.shape[2:], jnp.int32) if paged else None,
         plgpu.SMEM((NUM_BOUNDS,), jnp.int32),
         # bf16 partials (one more bf16 rounding before the f32 combine) leave SMEM for 4 stages.
         plgpu.SMEM((C, BLOCK_M, Dh), jnp.bfloat16),
         plgpu.SMEM((C, BLOCK_M), f32),
         plgpu.SMEM((C, BLOCK_M, block_kv), jnp.bfloat16,
                    transforms=_transforms(block_kv, jnp.bfloat16)),
-        plgpu.Barrier(num_arrivals=4 + has_tree),
+        plgpu.Barrier(num_arrivals=4 + has_tree + paged),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         # The scales get their own barriers (one TMA arrival per phase everywhere).
@@ -249,6 +253,8 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
   args += [q_pos, chunk_start]
   if has_tree:
     args.append(tree_bits)
+  if paged:
+    args.append(tile_table)
   args.append(bounds)
   return plgpu.kernel(
       body, out_type=out_type, grid=(num_m, num_splits, BK), grid_names=("m", "split", "bk"),

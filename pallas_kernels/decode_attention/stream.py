@@ -13,10 +13,13 @@ from jax import lax
 
 def load_metadata(gmem, smem, barrier, *, b, bk, split, rows):
   """One TMA arrival per ref on `barrier`: the query tile, per-row positions / chunk starts,
-  the (row, split) bounds and the tree bit words (None when there is no tree).
-  gmem = (q, pos, chunk_start, bounds, bits), smem likewise."""
-  q_g, pos_g, cs_g, bounds_g, bits_g = gmem
-  q_s, pos_s, cs_s, bounds_s, bits_s = smem
+  the (row, split) bounds, the tree bit words (None when there is no tree) and, on a paged
+  cache, the split's physical tile ids (None when contiguous).
+  gmem = (q, pos, chunk_start, bounds, bits, tiles), smem likewise."""
+  q_g, pos_g, cs_g, bounds_g, bits_g, tiles_g = gmem
+  q_s, pos_s, cs_s, bounds_s, bits_s, tiles_s = smem
+  if tiles_g is not None:
+    plgpu.copy_gmem_to_smem(tiles_g.at[b, split], tiles_s, barrier)
   plgpu.copy_gmem_to_smem(q_g.at[bk, rows], q_s, barrier)
   plgpu.copy_gmem_to_smem(pos_g.at[b, rows], pos_s, barrier)
   plgpu.copy_gmem_to_smem(cs_g.at[b, rows], cs_s, barrier)
@@ -26,21 +29,34 @@ def load_metadata(gmem, smem, barrier, *, b, bk, split, rows):
 
 
 def stream_kv(gmem, smem, ready, free, *, b, kh, first_block, num_steps, block_kv: int,
-              stages: int):
+              stages: int, tiles_s=None):
   """The producer warpgroup: K and V tiles (and their fp8 scales) of KV steps 0..num_steps-1 into
   ring slot step % stages; a slot is refilled once its consumer arrives on its `free` barrier.
   gmem = (k, v, k_scale, v_scale) (scales None for bf16), smem likewise; ready = their barriers;
-  free = (k_free, v_free)."""
+  free = (k_free, v_free).
+
+  Contiguous cache (tiles_s None): k/v [B, S, K, Dh], scales [B, K, S]; step i reads slots
+  (first_block + i) * block_kv onwards of row b. Paged cache: k/v are tile pools
+  [num_tiles, block_kv, K, Dh], scales [num_tiles, K, block_kv], and step i reads pool tile
+  tiles_s[i // W, i % W] (the split's tile ids [R, W], resolved from the block table by api.py):
+  one TMA copy per tile straight from its block, no gather."""
   k_g, v_g, ks_g, vs_g = gmem
   k_s, v_s, ks_s, vs_s = smem
   k_bar, v_bar, ks_bar, vs_bar = ready
   k_free, v_free = free
 
   def issue(step, slot, cache_g, cache_s, cache_bar, scale_g, scale_s, scale_bar):
-    kv = pl.ds((first_block + step) * block_kv, block_kv)
-    plgpu.copy_gmem_to_smem(cache_g.at[b, kv, kh], cache_s.at[slot], cache_bar.at[slot])
+    if tiles_s is None:
+      kv = pl.ds((first_block + step) * block_kv, block_kv)
+      src, scale_src = cache_g.at[b, kv, kh], None if scale_g is None else scale_g.at[b, kh, kv]
+    else:
+      width = tiles_s.shape[1]
+      tile = tiles_s[lax.div(step, jnp.int32(width)), lax.rem(step, jnp.int32(width))]
+      src = cache_g.at[tile, pl.ds(0, block_kv), kh]
+      scale_src = None if scale_g is None else scale_g.at[tile, kh]
+    plgpu.copy_gmem_to_smem(src, cache_s.at[slot], cache_bar.at[slot])
     if scale_g is not None:
-      plgpu.copy_gmem_to_smem(scale_g.at[b, kh, kv], scale_s.at[slot], scale_bar.at[slot])
+      plgpu.copy_gmem_to_smem(scale_src, scale_s.at[slot], scale_bar.at[slot])
 
   issue_k = lambda step, slot: issue(step, slot, k_g, k_s, k_bar, ks_g, ks_s, ks_bar)
   issue_v = lambda step, slot: issue(step, slot, v_g, v_s, v_bar, vs_g, vs_s, vs_bar)
