@@ -325,3 +325,68 @@ def test_paged_engine_bad_arguments_and_oversized_requests(loaded):
   with pytest.raises(maverick.serving.RequestError, match="needs up to 6 KV blocks of 32 tokens "
                      "but the pool has 3"):
     e.submit([1] * 100, lambda ev: None, max_tokens=60)
+
+
+
+def _peak_blocks(pg, prompt_len, max_tokens, advance):
+  """Most blocks per pool one request's table names at once, driven as engine.py's _loop drives
+  it: reserve from the known length, dispatch a call that adds `advance` tokens (the most one
+  call adds), then read the PREVIOUS call's report and commit it (lagging). Counted in the table
+  the device gets, not in the allocator's books."""
+  prompt = [(7 * i) % 4096 + 1 for i in range(prompt_len)]
+  held = lambda: {n: int(np.sum(pg.tables[0, t] != blocks.NO_BLOCK))
+                  for t, n in enumerate(pg.names)}
+  pg.admit(0, "r", prompt, max_tokens)
+  peak = held()
+  out, flight, dev = [], [], prompt_len
+  while len(out) < max_tokens:
+    pg.reserve(0, "r", prompt_len + len(out))
+    peak = {n: max(peak[n], b) for n, b in held().items()}
+    new = min(advance, prompt_len + max_tokens - dev)
+    dev += new
+    flight.append([5] * new)
+    if len(flight) == 2:  # the call before this one reports now
+      out += flight.pop(0)
+      pg.commit("r", prompt + out)
+  pg.free(0, "r")
+  assert pg.idle()
+  return peak
+
+
+# (advance, slack, lag) as Engine sets them (window, slack, width + 2): plain decoding with
+# rounds=4; K=3 with rounds=4; TreeShape(3, 2, 5) (width 3, cache_slack 7) with rounds=4.
+ENGINE_WINDOWS = [(5, 1, 2), (17, 4, 5), (17, 7, 5)]
+
+
+@pytest.mark.parametrize("advance,slack,lag", ENGINE_WINDOWS)
+def test_admission_counts_cover_the_chunk_window(loaded, advance, slack, lag):
+  """Admission's worst case per request (PagedKV.worst: what `fits` holds back for it) is at
+  least the most blocks the request's table ever names, on both pools, for prompts ending at
+  offsets all around the chunk boundaries and a decode across the next one at the most tokens
+  per call, with the host's reports one call behind. On the chunked pool the peak is the chunk
+  window: the current chunk plus the positions reserved ahead (two calls + a round's slack) plus
+  the commit lag, past the chunk's own blocks; an admission count one block short of the peak
+  lets a running request's reservation fail (an engine without preemption stops on
+  OutOfBlocks). The window count keeps one block to spare: the peak is at most
+  ceil((chunk - 1 + ahead + lag) / block), so dropping its `+ 1` still passes here, while a count
+  short of the peak (or without the ahead span, or the lag at a small block) fails. Host
+  bookkeeping only: no model call."""
+  cfg = loaded.model.config
+  chunk, capacity = cfg.attention_chunk_size, 512
+  assert chunk == 128
+  for bs in (BS, 2):  # 2: the commit lag spans blocks past the spare one
+    gap = {blocks.GLOBAL: [], blocks.CHUNKED: []}
+    peak_chunked = 0
+    for p in sorted(set(range(1, 400, 9)) | {chunk - 1, chunk, chunk + 1, 2 * chunk + 3}):
+      pg = paging.PagedKV(cfg, 1, capacity, block_size=bs, num_blocks=2 * capacity // bs,
+                          advance=advance, slack=slack, lag=lag, draft=True)
+      max_tokens = capacity - slack - p
+      peak = _peak_blocks(pg, p, max_tokens, advance)
+      worst = pg.worst(p, max_tokens)
+      for name in gap:
+        assert peak[name] <= worst[name], (bs, name, p, peak, worst)
+        gap[name].append(worst[name] - peak[name])
+      if p < chunk // 2:  # the decode, not the prompt, sets the chunked peak
+        peak_chunked = max(peak_chunked, peak[blocks.CHUNKED])
+    assert min(gap[blocks.GLOBAL]) == 0  # met exactly: the global count is no looser than needed
+    assert peak_chunked > chunk // bs  # the window spans more than the chunk's blocks
