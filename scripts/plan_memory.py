@@ -64,7 +64,8 @@ _SERVING = flags.DEFINE_bool(
     "serving", False, "Serving view instead of the compiled programs: concurrent requests per "
     "device (B200, H200) for bf16 and fp8 KV under three layouts: contiguous rows of --context "
     "positions, paged (blocks for each request's length), paged + chunk-local (chunked layers "
-    "hold only the current chunk). By formula; the output names the Engine options behind each column.")
+    "hold only the current chunk). By formula; the output names the Engine options behind "
+    "each column.")
 _PROMPT_MEDIAN = flags.DEFINE_float("prompt_median", 2048, "--serving: median prompt tokens.")
 _PROMPT_SIGMA = flags.DEFINE_float("prompt_sigma", 1.0, "--serving: sigma of log prompt length.")
 _OUTPUT_MEDIAN = flags.DEFINE_float("output_median", 512, "--serving: median output tokens.")
