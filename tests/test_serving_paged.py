@@ -396,3 +396,39 @@ def test_admission_counts_cover_the_chunk_window(loaded, advance, slack, lag):
         peak_chunked = max(peak_chunked, peak[blocks.CHUNKED])
     assert min(gap[blocks.GLOBAL]) == 0  # met exactly: the global count is no looser than needed
     assert peak_chunked > chunk // bs  # the window spans more than the chunk's blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [None, 3])
+def test_sharded_paged_engine_equals_contiguous(loaded, k):
+  """On a mesh of the 8 CPU devices (layout ep: expert=4 x tensor=2) the paged engine's greedy
+  output equals the contiguous engine's, plain and K=3, and every block pool is laid out as the
+  sharding plan says for KV heads (over the tensor axis)."""
+  from maverick import sharding
+  mesh = sharding.make_mesh(expert=4, tensor=2)
+  sharded = maverick.load("tiny", mesh=mesh, layout="ep")
+  draft = None if k is None else sharding.shard_model(
+      spec_decode.load_draft("tiny", sharded.model), mesh, "ep")
+  ids, _ = _prompts(loaded)
+  prompts, max_tokens = [ids[0][:40], ids[1][:20], ids[2][:30]], [30, 12, 20]
+  outs = {}
+  for layout in ("contiguous", "paged"):
+    layout_kw = {} if layout == "contiguous" else dict(kv_layout="paged", block_size=16)
+    e = Engine(sharded.model, draft, slots=2, max_seq_len=128 - (1 if k is None else k + 1),
+               rounds=2, min_bucket=128, batch_buckets=[2], stop_tokens=[], **layout_kw,
+               **({} if k is None else dict(k=k)))
+    e.compile()
+    e.start()
+    try:
+      outs[layout] = _run(e, prompts, max_tokens)
+    finally:
+      e.shutdown()
+    assert e.error is None
+  assert outs["paged"] == outs["contiguous"]
+  assert all(len(o) == n for o, n in zip(outs["paged"], max_tokens))
+  cache = e._slots_state["cache"]
+  heads = loaded.model.config.num_key_value_heads
+  for pool in cache.k + cache.v:
+    axis = pool.shape.index(heads)  # [blocks, block_size, kv heads, head_dim]
+    assert pool.sharding.spec[axis] == "tensor", pool.sharding.spec
+  assert e._paging.idle()
