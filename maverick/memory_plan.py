@@ -329,7 +329,9 @@ def format_reports(title: str, reports, hbm=DEVICES_HBM) -> str:
 
 
 # --- Serving view (issue 29): concurrent requests per device under three KV layouts -------------
-# A plan: no engine pages its KV cache yet (maverick/serving/blocks.py is the host-side allocator).
+# By formula. Engine(kv_layout="paged", preemption=True) realises the paged column (one num_blocks
+# for both pools); the chunk-local column needs a smaller chunked pool and prompts prefilled a chunk
+# at a time, which Engine does not do yet. scripts/plan_memory.py --serving prints this per column.
 
 
 @dataclasses.dataclass(frozen=True)

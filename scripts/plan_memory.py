@@ -64,7 +64,8 @@ _SERVING = flags.DEFINE_bool(
     "serving", False, "Serving view instead of the compiled programs: concurrent requests per "
     "device (B200, H200) for bf16 and fp8 KV under three layouts: contiguous rows of --context "
     "positions, paged (blocks for each request's length), paged + chunk-local (chunked layers "
-    "hold only the current chunk). A plan: no engine pages its KV cache yet.")
+    "hold only the current chunk). By formula; the output names the Engine options behind "
+    "each column.")
 _PROMPT_MEDIAN = flags.DEFINE_float("prompt_median", 2048, "--serving: median prompt tokens.")
 _PROMPT_SIGMA = flags.DEFINE_float("prompt_sigma", 1.0, "--serving: sigma of log prompt length.")
 _OUTPUT_MEDIAN = flags.DEFINE_float("output_median", 512, "--serving: median output tokens.")
@@ -260,7 +261,7 @@ def run_serving(cfg, sizes: dict[str, int]) -> str:
                                                    tiles=_VISION_TILES.value))
   mesh_desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
   draft = f"EAGLE-3 K={_SPEC_K.value}" if _SPEC_K.value else "no draft"
-  title = (f"SERVING PLAN (no engine pages its KV cache yet): {_CONFIG.value} {_QUANT.value}, "
+  title = (f"SERVING PLAN (by formula, not measured): {_CONFIG.value} {_QUANT.value}, "
            f"layout {_LAYOUT.value} ({mesh_desc}), {draft}, per device\n"
            f"layers: {cfg.num_hidden_layers - n_chunked} global + "
            f"{'1 draft (bf16) ' if dcfg else ''}| {n_chunked} chunk-local (chunk "
@@ -271,7 +272,12 @@ def run_serving(cfg, sizes: dict[str, int]) -> str:
            f"(global), {local:.2f} (chunk-local) vs "
            f"{-(-(_CONTEXT.value + slack) // _BLOCK.value)} contiguous\n"
            f"free = HBM - weights - {_RESERVE_GB.value:g} GB reserve (activations, temporaries); "
-           f"columns contiguous / paged / paged+chunk-local: concurrent requests")
+           f"columns contiguous / paged / paged+chunk-local: concurrent requests\n"
+           f"  contiguous = Engine() (max_seq_len {_CONTEXT.value}); paged = Engine(kv_layout="
+           f"'paged', block_size={_BLOCK.value}, num_blocks=requests x expected global blocks, "
+           f"preemption=True: blocks grow with each request); paged+chunk-local = not an Engine "
+           f"option yet (Engine sizes its chunk-local pool as its global one and prefills a "
+           f"prompt whole)")
   text = memory_plan.format_serving(title, rows)
   if _JSON.value:
     cli.write_atomic(_JSON.value, json.dumps({

@@ -282,7 +282,10 @@ def test_script_serving_view(tmp_path):
            "--prompt_median", "40", "--output_median", "20", "--block_size", "8", "--json_out",
            str(out))
   assert p.returncode == 0, p.stderr[-2000:]
-  assert "SERVING PLAN (no engine pages its KV cache yet)" in p.stdout
+  assert "SERVING PLAN (by formula, not measured)" in p.stdout
+  assert "no engine pages" not in p.stdout
+  assert ("paged = Engine(kv_layout='paged', block_size=8, num_blocks=requests x expected global "
+          "blocks, preemption=True" in p.stdout)
   assert "2 global + 1 draft (bf16) | 6 chunk-local (chunk 16)" in p.stdout
   data = json.loads(out.read_text())
   assert [(r["device"], r["kv_cache"]) for r in data["rows"]] == [
