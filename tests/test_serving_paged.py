@@ -360,3 +360,9 @@ def test_chunk_local_off_releases_no_block_and_keeps_the_output(loaded):
     assert any(e._paging.layer_table) == local
   assert outs[False] == outs[True]
   assert holes[True] > 0 and holes[False] == 0
+
+
+def test_chunk_local_off_without_the_paged_layout_is_refused(loaded):
+  with pytest.raises(ValueError, match="chunk_local=False need the paged KV layout: pass "
+                     "kv_layout='paged'"):
+    Engine(loaded.model, None, slots=2, max_seq_len=64, chunk_local=False)
