@@ -63,6 +63,21 @@ _BATCH_BUCKETS = flags.DEFINE_list(
     "Fewer = faster start-up, more = less work at low load.")
 _MIN_BUCKET = flags.DEFINE_integer("min_bucket", 16, "Smallest prompt-length bucket (powers of "
                                    "two from it up to --max_seq_len are compiled at start-up).")
+_KV_LAYOUT = flags.DEFINE_enum(
+    "kv_layout", "contiguous", ["contiguous", "paged"], "KV cache layout: 'contiguous' (a "
+    "--max_seq_len row per slot) or 'paged' (blocks from a shared pool, admission by free blocks; "
+    "see README, Serving). The flags below need --kv_layout=paged.")
+_NUM_BLOCKS = flags.DEFINE_integer("num_blocks", None, "Paged: KV blocks per pool. Default: "
+                                   "--slots x the blocks of a row (the contiguous layout's memory).")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 64, "Paged: positions per KV block.")
+_PREFIX_CACHE = flags.DEFINE_boolean("prefix_cache", False, "Paged: keep full blocks of committed "
+                                     "tokens and share them with later prompts that start alike.")
+_PREEMPTION = flags.DEFINE_boolean("preemption", False, "Paged: admit by prompt + first call "
+                                   "and preempt the youngest request when the pool runs dry "
+                                   "(default: admit by each request's worst case, never preempt).")
+_CHUNK_LOCAL = flags.DEFINE_boolean("chunk_local", True, "Paged: release chunk-local layers' "
+                                    "blocks before the current chunk (--nochunk_local keeps them).")
+PAGED_FLAGS = ("num_blocks", "block_size", "prefix_cache", "preemption", "chunk_local")
 _API_KEY = flags.DEFINE_string(
     "api_key", None, "Require 'Authorization: Bearer <key>' on every path but /health (401 with "
     "OpenAI's error body otherwise). Default: the MAVERICK_API_KEY environment variable, else none.")
@@ -111,6 +126,19 @@ def _batch_buckets():
   return sizes
 
 
+def kv_args() -> dict:
+  """Engine's KV layout arguments from the flags; paged-only flags need --kv_layout=paged."""
+  given = [f"--{n}" for n in PAGED_FLAGS if flags.FLAGS[n].present]
+  if _KV_LAYOUT.value != "paged":
+    if given:
+      raise cli.UsageError(f"{', '.join(given)}: only for the paged KV layout; add "
+                           "--kv_layout=paged")
+    return {}
+  return dict(kv_layout="paged", num_blocks=_NUM_BLOCKS.value, block_size=_BLOCK_SIZE.value,
+              prefix_cache=_PREFIX_CACHE.value, preemption=_PREEMPTION.value,
+              chunk_local=_CHUNK_LOCAL.value)
+
+
 def _tree_shape():
   values = (_TREE_DEPTH.value, _TREE_TOPK.value, _TREE_NODES.value)
   if all(v is None for v in values):
@@ -152,7 +180,7 @@ def build_server():
   engine = Engine(loaded.model, draft, k=_SPEC_K.value, tree=tree, slots=_SLOTS.value,
                   max_seq_len=_MAX_SEQ_LEN.value or min(context, 2048), rounds=_ROUNDS.value,
                   stop_tokens=loaded.stop_tokens, min_bucket=_MIN_BUCKET.value,
-                  batch_buckets=_batch_buckets())
+                  batch_buckets=_batch_buckets(), **kv_args())
   return Server(engine, loaded.tokenizer, _NAME.value or _CHECKPOINT.value,
                 max_request_bytes=_MAX_REQUEST_BYTES.value, api_key=_api_key())
 
@@ -190,6 +218,7 @@ def _main(argv, compiling: list):
     if _MAX_REQUEST_BYTES.value is not None and _MAX_REQUEST_BYTES.value < 1:
       raise cli.UsageError(f"--max_request_bytes must be >= 1, got {_MAX_REQUEST_BYTES.value}")
     _api_key()
+    kv_args()
     if _ACCESS_LOG.value:  # absl's handler prints it; absl's own INFO lines stay quiet
       logging.getLogger("maverick.access").setLevel(logging.INFO)
   except cli.UsageError as e:

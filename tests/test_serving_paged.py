@@ -430,3 +430,44 @@ def test_sharded_paged_engine_equals_contiguous(loaded, k):
     axis = pool.shape.index(heads)  # [blocks, block_size, kv heads, head_dim]
     assert pool.sharding.spec[axis] == "tensor", pool.sharding.spec
   assert e._paging.idle()
+
+
+def test_chunk_local_off_releases_no_block_and_keeps_the_output(loaded):
+  """Engine(chunk_local=False): the chunk-local layers page as global ones (one pool), no table
+  ever has a hole (a released block before a held one), and the output equals the chunk-local
+  engine's, which does release blocks before the chunk (one prompt past a chunk, plain decoding)."""
+  ids, _ = _prompts(loaded)
+  prompts, max_tokens = [ids[0][:200], ids[1][:60]], [40, 20]
+  outs, holes = {}, {}
+  for local in (True, False):
+    e = Engine(loaded.model, None, slots=2, max_seq_len=255, rounds=4, min_bucket=256,
+               batch_buckets=[2], stop_tokens=[], kv_layout="paged", block_size=BS,
+               chunk_local=local)
+    seen = []
+    reserve = e._paging.reserve
+
+    def spy(slot, rid, known, reserve=reserve, e=e, seen=seen):
+      reserve(slot, rid, known)
+      seen.append(e._paging.tables[slot].copy())
+    e._paging.reserve = spy
+    e.compile()
+    e.start()
+    try:
+      outs[local] = _run(e, prompts, max_tokens)
+    finally:
+      e.shutdown()
+    # A hole: NO_BLOCK at an entry with a held block after it.
+    holes[local] = sum(bool(np.any((t[:-1] == blocks.NO_BLOCK) & (t[1:] != blocks.NO_BLOCK)))
+                       for table in seen for t in table)
+    assert e.peak_active == 2
+    pools = e._paging.names
+    assert pools == ([blocks.GLOBAL, blocks.CHUNKED] if local else [blocks.GLOBAL])
+    assert any(e._paging.layer_table) == local
+  assert outs[False] == outs[True]
+  assert holes[True] > 0 and holes[False] == 0
+
+
+def test_chunk_local_off_without_the_paged_layout_is_refused(loaded):
+  with pytest.raises(ValueError, match="chunk_local=False need the paged KV layout: pass "
+                     "kv_layout='paged'"):
+    Engine(loaded.model, None, slots=2, max_seq_len=64, chunk_local=False)

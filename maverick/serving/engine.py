@@ -115,7 +115,8 @@ class Engine:
   blocks their queries can no longer see; see maverick/serving/paging.py). prefix_cache (paged):
   full blocks of committed tokens are kept (LRU) and shared by later prompts that start with the
   same tokens, whose prefill then starts after them (prefills attend to the cache: the programs
-  differ from the no-prefix-cache engine's).
+  differ from the no-prefix-cache engine's). chunk_local=False (paged): chunk-local layers keep all
+  their blocks, as global ones do (one pool; for comparison, see benchmarks/serving_kv.py).
   """
 
   def __init__(self, model, draft=None, *, k: int = 3, tree=None, slots: int = 8,
@@ -125,13 +126,14 @@ class Engine:
                batch_buckets: Sequence[int] | None = None,
                max_logit_bias: int = sampling.MAX_LOGIT_BIAS, kv_layout: str = "contiguous",
                num_blocks: int | None = None, block_size: int = blocks.DEFAULT_BLOCK_SIZE,
-               prefix_cache: bool = False, preemption: bool = False):
+               prefix_cache: bool = False, preemption: bool = False, chunk_local: bool = True):
     cfg = model.config
     if kv_layout not in ("contiguous", "paged"):
       raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
-    if (num_blocks is not None or prefix_cache or preemption) and kv_layout != "paged":
-      raise ValueError("num_blocks, prefix_cache and preemption need the paged KV layout: pass "
-                       "kv_layout='paged' with them")
+    if (num_blocks is not None or prefix_cache or preemption or not chunk_local) \
+        and kv_layout != "paged":
+      raise ValueError("num_blocks, prefix_cache, preemption and chunk_local=False need the paged "
+                       "KV layout: pass kv_layout='paged' with them")
     self.prefix_cache, self.preemption = bool(prefix_cache), bool(preemption)
     if slots < 1 or rounds < 1:
       raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
@@ -163,7 +165,7 @@ class Engine:
           cfg, slots, self.capacity, block_size=block_size,
           num_blocks=slots * per_row if num_blocks is None else num_blocks,
           advance=self.window, slack=slack, lag=self.width + 2, draft=draft is not None,
-          prefix_cache=prefix_cache, worst_case=not preemption)
+          prefix_cache=prefix_cache, worst_case=not preemption, chunk_local=chunk_local)
     self.buckets = []
     b = min_bucket
     while b < max_seq_len:
@@ -197,6 +199,7 @@ class Engine:
     self.steps_by_batch = {n: 0 for n in self.batch_buckets}  # ... per batch bucket run
     self.released = 0  # slots freed by a cancellation (a client gone, a stop string)
     self.finished = 0  # requests that ran to a stop token or their limit
+    self.peak_active = 0  # most requests running at once (benchmarks/serving_kv.py)
     self.spec_rounds = self.spec_accepted = 0  # over finished requests: acceptance length
 
   # ---------------------------------------------------------------------------------------------
@@ -651,6 +654,7 @@ class Engine:
       self._slots_state = exe(self._states, self._slots_state, *args)
       self._owner[b], release[b] = h, False
       h.admitted = time.perf_counter()
+      self.peak_active = max(self.peak_active, self.active)
 
   def _process(self, report, owners) -> None:
     # The logprob windows come to the host only when a request in the step asked for them.

@@ -46,11 +46,12 @@ class PagedKV:
 
   advance: most tokens one device call adds to a row; slack: positions a round writes past the
   committed length (K+1, a tree's cache_slack, 1 for plain decoding); lag: tokens committed behind
-  the known length."""
+  the known length. chunk_local=False: chunk-local layers keep all their blocks in the one pool, as
+  global layers do (the layout without early release, for comparison)."""
 
   def __init__(self, cfg, slots: int, capacity: int, *, block_size: int, num_blocks: int,
                advance: int, slack: int, lag: int, draft: bool, prefix_cache: bool = False,
-               worst_case: bool = True):
+               worst_case: bool = True, chunk_local: bool = True):
     if block_size < 1 or num_blocks < 1:
       raise ValueError(f"a paged KV cache needs block_size >= 1 and num_blocks >= 1, got "
                        f"block_size={block_size}, num_blocks={num_blocks}")
@@ -60,8 +61,9 @@ class PagedKV:
     chunk = cfg.attention_chunk_size
     # A chunk that is not a whole number of blocks would put a chunk boundary inside a block, and
     # a released block could then hold visible positions: such layers page as global ones.
-    local = chunk is not None and chunk % block_size == 0 and any(cfg.is_chunked(i)
-                                                                   for i in range(L))
+    # chunk_local=False pages them as global ones too (one pool, nothing released early).
+    local = (chunk_local and chunk is not None and chunk % block_size == 0
+             and any(cfg.is_chunked(i) for i in range(L)))
     self.layer_table = tuple(int(local and cfg.is_chunked(i)) for i in range(L))
     pools = {blocks.GLOBAL: blocks.BlockPool(num_blocks, block_size)}
     if local:
