@@ -193,7 +193,7 @@ def test_cli_image_needs_one_prompt(tmp_path):
   batch = tmp_path / "p.txt"
   batch.write_text("a\nb\n")
   r = _run_cli("--checkpoint=random:tiny", f"--batch_file={batch}", "--image=x.png")
-  assert r.returncode != 0 and "--image goes with one --prompt" in r.stderr
+  assert r.returncode != 0 and "--image goes with one --prompt (not --batch_file)" in r.stderr
 
 
 @pytest.mark.slow
@@ -241,3 +241,15 @@ def test_quantized_load_keeps_the_tower(outputs):
   assert loaded.model.vision.patch_embed.weight[...].dtype == jnp.float32
   got = loaded.model.vision(outputs["one_image.pixel_values"])
   assert rel_err(got, outputs["one_image.features"]) < 1e-4
+
+
+def test_streaming_with_images_equals_hf_greedy(model, outputs):
+  """maverick.streaming.stream(images=): each chunk's call re-reads the prompt's image tokens with
+  the images (chunks of 7: three prefills over prompt + tokens so far); joined, HF's greedy."""
+  from maverick import streaming
+  cfg = model.vision.config.preprocess(4)
+  images = [preprocess.preprocess_image(im, cfg) for im in images_of("two_images")]
+  chunks = list(streaming.stream(model, outputs["two_images.input_ids"].tolist(), images=images,
+                                 chunk_tokens=7, max_new_tokens=20, stop_tokens=[]))
+  assert len(chunks) == 3
+  assert sum((c.tokens for c in chunks), []) == outputs["two_images.greedy"].tolist()
