@@ -120,9 +120,13 @@ def test_prefix_cache_never_shares_one_images_blocks_with_another(model, outputs
   engine = _engine(model, kv_layout="paged", block_size=8, prefix_cache=True)
   engine.compile()
   engine.start()
+  want = maverick.generate(model, [ids], images=other, max_tiles=4, max_new_tokens=NEW,
+                           stop_tokens=[]).tokens[0]
   try:
     a = run(engine, [(ids, dict(images=first, max_tiles=4, max_tokens=NEW))])[0]
     b = run(engine, [(ids, dict(images=other, max_tiles=4, max_tokens=NEW))])[0]
+    assert a == outputs["one_image.greedy"].tolist()
+    assert b == want and a != b
     assert engine.kv_stats()["prefix_hit_rate"] == 0.0
     text = [5, 17, 42, 99, 7] * 6
     for _ in range(2):
@@ -130,10 +134,6 @@ def test_prefix_cache_never_shares_one_images_blocks_with_another(model, outputs
     assert engine.kv_stats()["prefix_hit_rate"] > 0.0  # the cache itself is on
   finally:
     engine.shutdown()
-  assert a == outputs["one_image.greedy"].tolist()
-  want = maverick.generate(model, [ids], images=other, max_tiles=4, max_new_tokens=NEW,
-                           stop_tokens=[]).tokens[0]
-  assert b == want and a != b
 
 
 @pytest.mark.parametrize("case", ["text_only", "corrupt", "count", "context"])
