@@ -57,7 +57,9 @@ def run(engine, requests):
 
 
 def _engine(model, draft=None, **kw):
-  kw = dict(dict(slots=2, max_seq_len=72, rounds=4, min_bucket=64, stop_tokens=[]), **kw)
+  # one prompt bucket and one step program: few compiles
+  kw = dict(dict(slots=2, max_seq_len=64, rounds=4, min_bucket=64, batch_buckets=[],
+                 stop_tokens=[]), **kw)
   return Engine(model, draft, **kw)
 
 

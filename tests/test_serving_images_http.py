@@ -57,7 +57,8 @@ def _tokenizer(directory):
 def served(tmp_path_factory):
   tok = _tokenizer(str(tmp_path_factory.mktemp("tok")))
   model = store.load_hf(FIXTURE, dtype="float32", vision=True)
-  engine = Engine(model, slots=2, max_seq_len=128, rounds=4, min_bucket=64, stop_tokens=[])
+  engine = Engine(model, slots=2, max_seq_len=128, rounds=4, min_bucket=128, batch_buckets=[],
+                  stop_tokens=[])
   calls = []
   submit = engine.submit
 
