@@ -97,7 +97,7 @@ def test_engine_image_requests_equal_hf_greedy(model, outputs):
 @pytest.mark.parametrize("layout,spec", [("contiguous", "k3"), ("paged", "tree")])
 def test_speculative_engine_with_images_is_lossless(model, outputs, layout, spec):
   """EAGLE-3 (a random draft: low acceptance, the same text) over image prompts: the target's
-  prefill reads the features; the draft reads the target's hidden states there. ~60 s each."""
+  prefill reads the features; the draft reads the target's hidden states there. ~40 s each."""
   from spec_decode.tree import TreeShape
   kw = dict(k=3) if spec == "k3" else dict(tree=TreeShape(3, 2, 5))
   if layout == "paged":

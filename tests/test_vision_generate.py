@@ -164,9 +164,11 @@ def _run_cli(*args):
 
 
 @pytest.mark.slow
-def test_cli_image_flag_matches_hf(tmp_path, outputs):
+@pytest.mark.parametrize("stream", [[], ["--stream", "--stream_chunk=7"]], ids=["call", "stream"])
+def test_cli_image_flag_matches_hf(tmp_path, outputs, stream):
   """scripts/generate.py --image twice: the prompt's <|image|> placeholders expand to the images'
-  layouts (max_tiles from preprocessor_config.json) and the greedy text is HF's."""
+  layouts (max_tiles from preprocessor_config.json) and the greedy text is HF's; streamed too
+  (every chunk's call takes the images)."""
   import json
   import shutil
   pytest.importorskip("PIL")
@@ -184,7 +186,7 @@ def test_cli_image_flag_matches_hf(tmp_path, outputs):
   prompt = " ".join(words)
   r = _run_cli(f"--checkpoint={d}", f"--prompt={prompt}", "--max_new_tokens=20",
                "--dtype=float32", "--spec_k=0", f"--image={d / 'two_images_0.png'}",
-               f"--image={d / 'two_images_1.png'}")
+               f"--image={d / 'two_images_1.png'}", *stream)
   assert r.returncode == 0, r.stderr
   assert " ".join(f"w{t}" for t in outputs["two_images.greedy"]) in r.stdout
 
