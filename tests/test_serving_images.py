@@ -157,3 +157,20 @@ def test_bad_image_requests_are_refused_before_a_slot(model, outputs, case):
     engine.submit(args[0], lambda ev: None, **args[1])
   assert e.value.param in ("images", "prompt")
   assert engine._waiting.empty()
+
+
+@pytest.mark.slow
+def test_a_preempted_image_request_resumes_with_its_images(model, outputs):
+  """A pool of 13 blocks of 8 holds both prompts and their first calls but not both outputs: the
+  younger request is preempted and later re-prefilled (prompt + its tokens so far, with its
+  images, from position 0); both still give HF's greedy tokens. ~20 s."""
+  engine = _engine(model, kv_layout="paged", block_size=8, num_blocks=13, preemption=True,
+                   rounds=1)
+  engine.compile()
+  engine.start()
+  try:
+    got = run(engine, _requests(outputs))
+  finally:
+    engine.shutdown()
+  assert engine.preemptions > 0
+  assert got == [outputs["one_image.greedy"].tolist(), outputs["two_images.greedy"].tolist()]
