@@ -175,16 +175,16 @@ def prefill(model: Llama4, req: Request, capacity: int, *, capture_layers=(), ca
   cache = sharding.constrain_cache(cache, sharding.plan_of(model))
   embeds = None
   if req.pixel_values is not None:  # the image features replace the <|patch|> embeddings
-    if start is not None:
-      raise ValueError("a prefix-cache hit (start=) with images is not supported: prefill image "
-                       "prompts whole")
+    # With images, `start` must be 0 (req.prompt the whole prompt): the features are matched to
+    # the image tokens from the first one on. The paged engine never prefix-caches image prompts.
     tower = model.vision
     embeds = vision_lib.merge_features(model.embed_tokens(req.prompt), req.prompt,
                                        req.prompt_lengths, tower(req.pixel_values),
                                        tower.config.image_token_id)
   if start is not None:
     out = model(req.prompt, cache=cache.with_lengths(start),
-                logits_at=req.prompt_lengths - start - 1, capture_layers=capture_layers)
+                logits_at=req.prompt_lengths - start - 1, capture_layers=capture_layers,
+                input_embeds=embeds)
     return out, out.cache.with_lengths(req.prompt_lengths)
   out = model(req.prompt, cache=cache, prefill=True, logits_at=req.prompt_lengths - 1,
               capture_layers=capture_layers, input_embeds=embeds)

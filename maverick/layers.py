@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("maverick.generation", "maverick.quant.parity", "maverick.train")),
     ("spec_decode", "EAGLE-3 speculative decoding",
      ("spec_decode.*",)),
-    ("applications", "serving, streaming, memory planning, evaluation, profiling, kernel sweeps, CLI "
+    ("applications", "serving (image requests too), streaming, memory planning, evaluation, profiling, kernel sweeps, CLI "
      "plumbing, the public `maverick` package",
      ("maverick.serving.*", "maverick.streaming", "maverick.memory_plan", "maverick.evaluation",
       "maverick.profiling", "maverick.kernel_sweep", "maverick.cli", "maverick.layers", "maverick")),

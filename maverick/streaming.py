@@ -37,10 +37,13 @@ class Chunk:
 def stream(model, prompt: Sequence[int], *, chunk_tokens: int = 16, max_new_tokens: int = 64,
            draft=None, k: int = 3, tree=None, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
-           max_cache_len: int | None = None) -> Iterator[Chunk]:
+           max_cache_len: int | None = None, images=None,
+           max_tiles: int | None = None) -> Iterator[Chunk]:
   """Yields the continuation of ONE prompt chunk by chunk; speculative when `draft` is given
   (an EAGLE-3 draft head, `k` tokens per round, or a draft `tree` shape where spec_decode has
-  tree drafting). Arguments as for `maverick.generate`."""
+  tree drafting). Arguments as for `maverick.generate`; `images` go with every chunk's call (its
+  prefill re-reads the prompt's image tokens; preprocess them once with
+  maverick.vision.preprocess_image to skip re-decoding)."""
   if chunk_tokens < 1:
     raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
   if max_new_tokens < 1:
@@ -50,7 +53,7 @@ def stream(model, prompt: Sequence[int], *, chunk_tokens: int = 16, max_new_toke
   plain.check_context(model.config, [len(prompt)], max_new_tokens)  # before the first chunk
   stops = set(model.config.eos_token_ids if stop_tokens is None else stop_tokens)
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_cache_len=max_cache_len,
-            stop_tokens=sorted(stops))
+            stop_tokens=sorted(stops), images=images, max_tiles=max_tiles)
   context, produced, i = list(prompt), 0, 0
   while True:
     n = min(chunk_tokens, max_new_tokens - produced)

@@ -148,8 +148,8 @@ def _main(argv):
   try:
     texts = _read_prompts()
     paths = _IMAGE.value or []
-    if paths and (_PROMPT.value is None or _STREAM.value):
-      raise ValueError("--image goes with one --prompt (not --batch_file) and without --stream")
+    if paths and _PROMPT.value is None:
+      raise ValueError("--image goes with one --prompt (not --batch_file)")
     mesh = mesh_flags.mesh_from_flags()
     loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value, mesh=mesh,
                            layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),

@@ -85,6 +85,11 @@ _ACCESS_LOG = flags.DEFINE_boolean("access_log", True, "One line per request on 
                                    "path, status, prompt/completion tokens, latency).")
 _NAME = flags.DEFINE_string("served_model_name", None, "Model id in the API (default: the "
                             "--checkpoint value).")
+_VISION = flags.DEFINE_boolean("vision", False, "Load the checkpoint's vision tower: chat messages "
+                               "may then hold image_url parts (data: URLs).")
+_MEDIA_PATH = flags.DEFINE_string(
+    "allowed_local_media_path", None, "With --vision: image_url parts may also name files "
+    "(file:// or a path) under this directory. Default: data: URLs only. Never the network.")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -161,7 +166,7 @@ def build_server():
   mesh = mesh_flags.mesh_from_flags()
   loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, mesh=mesh,
                          layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),
-                         check_finite=_CHECK_FINITE.value)
+                         check_finite=_CHECK_FINITE.value, vision=_VISION.value)
   if loaded.tokenizer is None:
     raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json; the server needs one")
   if _SPEC_K.value < 0:
@@ -182,7 +187,8 @@ def build_server():
                   stop_tokens=loaded.stop_tokens, min_bucket=_MIN_BUCKET.value,
                   batch_buckets=_batch_buckets(), **kv_args())
   return Server(engine, loaded.tokenizer, _NAME.value or _CHECKPOINT.value,
-                max_request_bytes=_MAX_REQUEST_BYTES.value, api_key=_api_key())
+                max_request_bytes=_MAX_REQUEST_BYTES.value, api_key=_api_key(),
+                allowed_local_media_path=_MEDIA_PATH.value)
 
 
 def _api_key():
@@ -219,6 +225,9 @@ def _main(argv, compiling: list):
       raise cli.UsageError(f"--max_request_bytes must be >= 1, got {_MAX_REQUEST_BYTES.value}")
     _api_key()
     kv_args()
+    if _MEDIA_PATH.value is not None and not (_VISION.value and os.path.isdir(_MEDIA_PATH.value)):
+      raise cli.UsageError(f"--allowed_local_media_path {_MEDIA_PATH.value!r} needs --vision and "
+                           "an existing directory")
     if _ACCESS_LOG.value:  # absl's handler prints it; absl's own INFO lines stay quiet
       logging.getLogger("maverick.access").setLevel(logging.INFO)
   except cli.UsageError as e:

@@ -346,3 +346,22 @@ def test_trim_and_padded_tables():
   assert t.dtype == np.int32 and list(t[2:]) == [B.NO_BLOCK] * 3 and B.NO_BLOCK not in t[:2]
   with pytest.raises(ValueError, match="past width 1"):
     mgr.table("a", width=1)
+
+
+def test_a_private_request_neither_reuses_nor_publishes_prefix_blocks():
+  """admit(private=True) (an image prompt: its tokens do not determine its K/V): no prefix hit on
+  the same tokens, and its committed blocks are never served to a later request."""
+  mgr = B.BlockManager({B.GLOBAL: B.BlockPool(16, BS)})
+  prompt = list(range(1, 3 * BS + 2))
+  assert mgr.admit("text", prompt) == 0
+  mgr.commit("text", prompt)
+  assert mgr.admit("image", prompt, private=True) == 0  # the text's blocks are cached, not used
+  mgr.commit("image", prompt)
+  mgr.release("text")
+  mgr.release("image")
+  other = [p + 1000 for p in prompt]
+  assert mgr.admit("image2", other, private=True) == 0
+  mgr.commit("image2", other)
+  mgr.release("image2")
+  assert mgr.admit("later", other) == 0  # nothing of image2 was published
+  assert mgr.admit("again", prompt) == 3 * BS  # the text request's blocks still are

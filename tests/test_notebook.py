@@ -47,4 +47,5 @@ def test_runs_top_to_bottom(monkeypatch):
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if "image/png" in o.get("data", {})]
   assert len(images) == 1  # the acceptance-per-position plot
+  assert "image features); answer ids" in text  # the image cell (the multimodal tiny model)
   assert "served:" in text  # the server cell got an answer from scripts/serve.py

@@ -312,7 +312,10 @@ def test_a_body_past_max_request_bytes_is_refused(server):
     (["--max_request_bytes=0"], "--max_request_bytes must be >= 1"),
     (["--api_key= key"], "--api_key / MAVERICK_API_KEY must be non-empty, without surrounding "
      "spaces"),
-], ids=["port_too_big", "port_negative", "host", "port_in_use", "max_request_bytes", "api_key"])
+    (["--allowed_local_media_path=/nonexistent/media"], "--allowed_local_media_path "
+     "'/nonexistent/media' needs --vision and an existing directory"),
+], ids=["port_too_big", "port_negative", "host", "port_in_use", "max_request_bytes", "api_key",
+        "media_path"])
 def test_bad_listen_flags_are_one_line_before_anything_loads(args, words):
   """Refused before the model loads or compiles (so in seconds): one line, exit status 1."""
   with socket.socket() as busy:

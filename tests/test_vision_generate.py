@@ -164,9 +164,11 @@ def _run_cli(*args):
 
 
 @pytest.mark.slow
-def test_cli_image_flag_matches_hf(tmp_path, outputs):
+@pytest.mark.parametrize("stream", [[], ["--stream", "--stream_chunk=7"]], ids=["call", "stream"])
+def test_cli_image_flag_matches_hf(tmp_path, outputs, stream):
   """scripts/generate.py --image twice: the prompt's <|image|> placeholders expand to the images'
-  layouts (max_tiles from preprocessor_config.json) and the greedy text is HF's."""
+  layouts (max_tiles from preprocessor_config.json) and the greedy text is HF's; streamed too
+  (every chunk's call takes the images)."""
   import json
   import shutil
   pytest.importorskip("PIL")
@@ -184,7 +186,7 @@ def test_cli_image_flag_matches_hf(tmp_path, outputs):
   prompt = " ".join(words)
   r = _run_cli(f"--checkpoint={d}", f"--prompt={prompt}", "--max_new_tokens=20",
                "--dtype=float32", "--spec_k=0", f"--image={d / 'two_images_0.png'}",
-               f"--image={d / 'two_images_1.png'}")
+               f"--image={d / 'two_images_1.png'}", *stream)
   assert r.returncode == 0, r.stderr
   assert " ".join(f"w{t}" for t in outputs["two_images.greedy"]) in r.stdout
 
@@ -193,7 +195,7 @@ def test_cli_image_needs_one_prompt(tmp_path):
   batch = tmp_path / "p.txt"
   batch.write_text("a\nb\n")
   r = _run_cli("--checkpoint=random:tiny", f"--batch_file={batch}", "--image=x.png")
-  assert r.returncode != 0 and "--image goes with one --prompt" in r.stderr
+  assert r.returncode != 0 and "--image goes with one --prompt (not --batch_file)" in r.stderr
 
 
 @pytest.mark.slow
@@ -241,3 +243,15 @@ def test_quantized_load_keeps_the_tower(outputs):
   assert loaded.model.vision.patch_embed.weight[...].dtype == jnp.float32
   got = loaded.model.vision(outputs["one_image.pixel_values"])
   assert rel_err(got, outputs["one_image.features"]) < 1e-4
+
+
+def test_streaming_with_images_equals_hf_greedy(model, outputs):
+  """maverick.streaming.stream(images=): each chunk's call re-reads the prompt's image tokens with
+  the images (chunks of 7: three prefills over prompt + tokens so far); joined, HF's greedy."""
+  from maverick import streaming
+  cfg = model.vision.config.preprocess(4)
+  images = [preprocess.preprocess_image(im, cfg) for im in images_of("two_images")]
+  chunks = list(streaming.stream(model, outputs["two_images.input_ids"].tolist(), images=images,
+                                 chunk_tokens=7, max_new_tokens=20, stop_tokens=[]))
+  assert len(chunks) == 3
+  assert sum((c.tokens for c in chunks), []) == outputs["two_images.greedy"].tolist()

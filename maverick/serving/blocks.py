@@ -145,6 +145,7 @@ class Request:
   keys: list[bytes]  # prefix-cache key of each full block below `floor`
   tables: dict[str, list[int]]  # pool name -> block ids (NO_BLOCK where released)
   floor: int = 0  # lowest length a rollback may return to (never decreases)
+  private: bool = False  # never shares its blocks through the prefix cache (see admit)
 
 
 class BlockManager:
@@ -204,18 +205,21 @@ class BlockManager:
       keys.pop()
     return keys
 
-  def admit(self, rid, prompt: Sequence[int], *, prefill: int | None = None) -> int:
+  def admit(self, rid, prompt: Sequence[int], *, prefill: int | None = None,
+            private: bool = False) -> int:
     """Starts request `rid`: reuses cached prefix blocks, allocates blocks for the rest of the
     prompt, or for its next `prefill` tokens (a long prompt prefilled in pieces, each followed by
     `commit` / `release_invisible` / `reserve`, never holds more than a chunk on chunk-local
-    layers). Returns the number of cached tokens (the device prefills prompt[cached:])."""
+    layers). Returns the number of cached tokens (the device prefills prompt[cached:]).
+    private: no prefix hit and none of its blocks cached (a prompt whose K/V the token ids do not
+    determine, e.g. one with images: every image has the same placeholder tokens)."""
     if prefill is not None and prefill < 1:
       raise ValueError(f"prefill must be >= 1 tokens, got {prefill}")
     if rid in self.requests:
       raise ValueError(f"request {rid!r} is already admitted; release it first")
     if len(prompt) < 1:
       raise ValueError("admit needs a prompt of at least one token")
-    keys = self.prefix_hit(prompt)
+    keys = [] if private else self.prefix_hit(prompt)
     cached = len(keys) * self.block_size
     hits = {name: [pool.lookup(k) for k in keys[self._first_needed(name, cached):]]
             for name, pool in self.pools.items()}
@@ -228,7 +232,7 @@ class BlockManager:
     if short:
       raise OutOfBlocks(f"request {rid!r} needs {new} new blocks; pool(s) {short} cannot give "
                         "them: admit fewer requests or size the pool larger")
-    req = Request(list(prompt[:cached]), keys, {}, floor=cached)
+    req = Request(list(prompt[:cached]), keys, {}, floor=cached, private=private)
     for name, pool in self.pools.items():
       req.tables[name] = [NO_BLOCK] * (len(keys) - len(hits[name]))
       for b in hits[name]:
@@ -260,7 +264,7 @@ class BlockManager:
                        f"{len(req.tables[GLOBAL])} blocks; reserve them first")
     req.tokens.extend(int(t) for t in tokens)
     req.floor = max(req.floor, len(req.tokens) - self.rollback)
-    for j in range(len(req.keys), req.floor // bs):
+    for j in range(len(req.keys), 0 if req.private else req.floor // bs):
       req.keys.append(block_key(req.keys[-1] if req.keys else b"", req.tokens[j * bs:(j + 1) * bs]))
       for name, pool in self.pools.items():
         if req.tables[name][j] != NO_BLOCK:
@@ -307,7 +311,7 @@ class BlockManager:
     n = -(-len(s.tokens) // self.block_size)
     if any(self.pools[name].available < n - shared for name in self.pools):
       raise OutOfBlocks(f"fork of {src!r}: no room to copy its {n - shared} unshared blocks")
-    req = Request(list(s.tokens), list(s.keys), {}, floor=s.floor)
+    req = Request(list(s.tokens), list(s.keys), {}, floor=s.floor, private=s.private)
     copies = []
     for name, pool in self.pools.items():
       table = list(s.tables[name][:shared])

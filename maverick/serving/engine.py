@@ -48,6 +48,7 @@ from maverick import kv_cache as kvc
 from maverick import sampling
 from maverick import sharding
 from maverick.serving import blocks
+from maverick.serving import images as images_lib
 from maverick.serving import paging
 from spec_decode import speculative as spec
 
@@ -100,6 +101,7 @@ class Handle:
   finished: bool = False
   cancelled: bool = False
   output: list = dataclasses.field(default_factory=list)  # tokens reported so far
+  pixels: np.ndarray | None = None  # the request's image tiles (see maverick/serving/images.py)
 
 
 class Engine:
@@ -262,7 +264,7 @@ class Engine:
 
   def _new_row(self, states, prompt, length, params, stop_ids, max_tokens, cache=None,
                dcache=None, suffix=None, start=None, prior=None, num_prior=None,
-               prompt_length=None):
+               prompt_length=None, pixels=None):
     """One request's row (batch 1): prefill, first token, (draft prefill and candidates). The
     row's random stream is its own (params.seed): no key is shared between slots. cache, dcache:
     paged one-row caches to prefill into (the pools of every slot, this row's tables). With the
@@ -274,7 +276,7 @@ class Engine:
     target, draft = self._models(states)
     req = plain.Request(prompt=prompt, prompt_lengths=length if prompt_length is None
                         else prompt_length, max_new_tokens=max_tokens, stop_ids=stop_ids,
-                        sampling=params)
+                        sampling=params, pixel_values=pixels)
     cols = self.max_seq_len + self.window
     result = plain.init_output(self.config, req, 1, cols - (self.width + 1), self.width + 1,
                                self.pad_id)
@@ -317,12 +319,13 @@ class Engine:
     return self._constrain(rows)
 
   def _insert(self, states, rows, slot, prompt, length, params, stop_ids, max_tokens, tables,
-              suffix=None, start=None, prior=None, num_prior=None, prompt_length=None):
-    """tables [1, P, M]: the new row's block tables (paged), else None; the rest: see
-    _new_row (paged)."""
+              suffix=None, start=None, prior=None, num_prior=None, prompt_length=None,
+              pixels=None):
+    """tables [1, P, M]: the new row's block tables (paged), else None; pixels: the request's
+    image tiles (start 0), else None; the rest: see _new_row (paged)."""
     new = self._new_row(states, prompt, length, params, stop_ids, max_tokens,
                         *self._paged_rows(rows, tables), suffix=suffix, start=start, prior=prior,
-                        num_prior=num_prior, prompt_length=prompt_length)
+                        num_prior=num_prior, prompt_length=prompt_length, pixels=pixels)
     put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype),
                                                                  slot, axis=0)
     return self._constrain(self._map_rows(put, rows, new))
@@ -444,12 +447,14 @@ class Engine:
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, min_p: float = 0.0, min_tokens: int = 0,
              logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
-             prompt_logprobs: bool = False) -> Handle:
+             prompt_logprobs: bool = False, images=None, max_tiles: int | None = None) -> Handle:
     """Validates and queues a request (a RequestError, before it touches a slot, when it cannot
     run). The sampling options are those of `maverick.sampling.SamplingParams.create`; the
     request's random stream depends only on `seed`, so a seeded request samples the same tokens
     whatever else runs beside it. logprobs=N (0..20) adds each token's logprob and the N most
-    likely alternatives to the events; prompt_logprobs=True adds the prompt's to the first."""
+    likely alternatives to the events; prompt_logprobs=True adds the prompt's to the first.
+    images (a model with a vision tower): the request's images in prompt order, as
+    `maverick.generate(images=)` takes them; the prompt holds their token layouts."""
     self._raise_if_failed()
     cfg = self.config
     prompt = [int(t) for t in prompt]
@@ -464,10 +469,10 @@ class Engine:
       raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
     n, context = len(prompt), self.max_seq_len
     if n >= context:  # no max_tokens fits: the prompt is what to change
-      raise RequestError(f"the prompt has {n} tokens and this server's context of {context} "
-                         f"tokens must hold the prompt and at least one new token: shorten the "
-                         f"prompt to at most {context - 1} tokens", "prompt",
-                         "context_length_exceeded")
+      raise RequestError(f"the prompt has {n} tokens{images_lib.of_which(self, prompt)} and this "
+                         f"server's context of {context} tokens must hold the prompt and at least "
+                         f"one new token: shorten the prompt to at most {context - 1} tokens",
+                         "prompt", "context_length_exceeded")
     if n + max_tokens > context:
       raise RequestError(f"the prompt ({n} tokens) + max_tokens ({max_tokens}) = "
                          f"{n + max_tokens} tokens does not fit this server's context of "
@@ -486,6 +491,12 @@ class Engine:
     if not isinstance(prompt_logprobs, bool):
       raise RequestError(f"prompt_logprobs must be true or false, got {prompt_logprobs!r}",
                          "prompt_logprobs")
+    try:
+      pixels = images_lib.request_pixels(self, prompt, images, max_tiles)
+    except (ValueError, ImportError) as e:
+      raise RequestError(str(e), "images") from None
+    if pixels is not None and prompt_logprobs:
+      raise RequestError("prompt_logprobs is not supported with images", "prompt_logprobs")
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                    repetition_penalty=repetition_penalty, min_tokens=min_tokens,
@@ -504,7 +515,7 @@ class Engine:
                callback=callback, params=params, stop_row=stop_row,
                logprobs=None if logprobs is None else int(logprobs),
                prompt_logprobs=bool(prompt_logprobs),
-               submitted=time.perf_counter())
+               submitted=time.perf_counter(), pixels=pixels)
     with self._failure:  # not queued after the engine failed: it would wait forever
       self._raise_if_failed()
       self._waiting.put(h)
@@ -639,7 +650,8 @@ class Engine:
           self._head = h  # first in line: admitted as soon as finished requests free blocks
           return
         try:
-          start = self._paging.admit(b, h.id, context, h.max_tokens - len(h.output))
+          start = self._paging.admit(b, h.id, context, h.max_tokens - len(h.output),
+                                     private=h.pixels is not None)
         except blocks.OutOfBlocks:  # a prefix hit on evictable blocks can need more than fits saw
           self._paging.free(b, h.id)
           self._head = h
@@ -648,10 +660,15 @@ class Engine:
         start = 0
       if h.prompt_logprobs and h.num_tokens == 0:  # a forward of its own: one insert shape
         h.prompt_result = plain.prompt_logprobs(self.model, h.prompt, h.logprobs or 0)
-      exe = self._exes[self.bucket(len(h.prompt) + len(h.output) - start)]
+      bucket = self.bucket(len(h.prompt) + len(h.output) - start)
       args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens, start,
                              h.output)
-      self._slots_state = exe(self._states, self._slots_state, *args)
+      if h.pixels is None:
+        self._slots_state = self._exes[bucket](self._states, self._slots_state, *args)
+      else:
+        pixels = images_lib.place(self, h.pixels)
+        exe = images_lib.insert_program(self, bucket, h.pixels.shape[0], args, pixels)
+        self._slots_state = exe(self._states, self._slots_state, *args, pixels=pixels)
       self._owner[b], release[b] = h, False
       h.admitted = time.perf_counter()
       self.peak_active = max(self.peak_active, self.active)

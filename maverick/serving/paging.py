@@ -118,10 +118,12 @@ class PagedKV:
               f"tokens but the pool has {self.num_blocks}: lower max_tokens or shorten the prompt")
     return None
 
-  def admit(self, slot: int, rid, prompt, max_tokens: int) -> int:
+  def admit(self, slot: int, rid, prompt, max_tokens: int, private: bool = False) -> int:
     """Allocates the prompt's blocks (and the first call's) and fills the slot's table. Returns
-    the prompt tokens the prefix cache holds (the device prefills the rest)."""
-    cached = self.mgr.admit(rid, prompt)
+    the prompt tokens the prefix cache holds (the device prefills the rest). private: the
+    request neither reuses nor publishes prefix blocks (its tokens do not say what its K/V are:
+    an image prompt's placeholders)."""
+    cached = self.mgr.admit(rid, prompt, private=private)
     self.prompt_tokens += len(prompt)
     self.cached_tokens += cached
     self._worst[rid] = self.worst(len(prompt), max_tokens)

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -39,10 +40,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from maverick.serving import media
 from maverick.serving import params
 from maverick.serving.logprobs import Formatter
 from maverick.serving.metrics import Gateway, Metrics
 from maverick.serving.params import ApiError
+from maverick.vision import model as vision_lib
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +74,13 @@ def default_max_request_bytes(max_seq_len: int) -> int:
 class Server:
   """Holds the engine and tokenizer; `compile_and_start` readies the engine (call in a thread).
   max_request_bytes: the largest request body taken (default_max_request_bytes by default).
-  api_key: when set, every path but /health needs the header `Authorization: Bearer <api_key>`."""
+  api_key: when set, every path but /health needs the header `Authorization: Bearer <api_key>`.
+  allowed_local_media_path: a directory whose files chat image parts may name (file:// or a
+  path); None: only data: URLs (see maverick/serving/media.py)."""
 
   def __init__(self, engine, tokenizer, model_name: str,
-               max_request_bytes: int | None = None, api_key: str | None = None):
+               max_request_bytes: int | None = None, api_key: str | None = None,
+               allowed_local_media_path: str | None = None):
     self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
     if max_request_bytes is None:
       max_request_bytes = default_max_request_bytes(engine.max_seq_len)
@@ -85,6 +91,9 @@ class Server:
                                     and api_key):
       raise ValueError("api_key must be a non-empty string without surrounding spaces")
     self.max_request_bytes, self.api_key = max_request_bytes, api_key
+    if allowed_local_media_path is not None and not os.path.isdir(allowed_local_media_path):
+      raise ValueError(f"allowed_local_media_path {allowed_local_media_path!r} is not a directory")
+    self.allowed_local_media_path = allowed_local_media_path
     self.ready = False
     self.progress = ""
     self.compile_seconds = None
@@ -310,6 +319,7 @@ def create_app(server: Server) -> FastAPI:
       raise ApiError(400, f"the tokenizer refused 'prompt': {e}", "prompt") from None
 
   async def chat_ids(body, size: int, add_generation_prompt=True, continue_final=False):
+    """(prompt ids, the images' PreprocessedImage in prompt order) of a chat request."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
       raise ApiError(400, "'messages' must be a non-empty list of {'role', 'content'} objects",
@@ -320,6 +330,16 @@ def create_app(server: Server) -> FastAPI:
       if isinstance(role, str) and role not in CHAT_ROLES:
         raise ApiError(400, f"messages[{n}] has the role {role!r}; the roles are "
                        f"{', '.join(map(repr, CHAT_ROLES))}", "messages")
+    try:
+      messages, images = media.take_images(messages, server.allowed_local_media_path)
+      tower = vision_lib.tower_of(getattr(engine, "model", None))
+      if images and tower is None:
+        raise media.MediaError("this model takes no images (a text-only model, or one served "
+                               "without --vision): send text only")
+      cfg = tower.config.preprocess(None) if images else None
+      images = await asyncio.to_thread(media.decode, images, cfg) if images else []
+    except media.MediaError as e:
+      raise ApiError(400, str(e), "messages") from None
     render = functools.partial(server.tokenizer.apply_chat_template,
                                add_generation_prompt=add_generation_prompt and not continue_final)
     try:
@@ -332,9 +352,15 @@ def create_app(server: Server) -> FastAPI:
       eot = server.tokenizer.token_to_id(EOT_TOKEN)
       if ids and ids[-1] == eot:
         ids = ids[:-1]
-    return ids
+    if images:
+      try:
+        ids = media.expand(ids, server.tokenizer, images, cfg)
+      except media.MediaError as e:
+        raise ApiError(400, str(e), "messages") from None
+    return ids, images
 
-  def submit_all(prompts, o: params.Options, chat: bool, events, loop) -> list[_Choice]:
+  def submit_all(prompts, o: params.Options, chat: bool, events, loop,
+                 images=None) -> list[_Choice]:
     """One engine request per (prompt, n) pair; choice index = prompt * n + j, drawn with seed +
     index (mod 2**32) when a seed is given. Nothing is left queued when one is refused."""
     if len(prompts) * o.n > MAX_CHOICES:
@@ -355,7 +381,8 @@ def create_app(server: Server) -> FastAPI:
           handle = engine.submit(
               ids, lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
               max_tokens=max_tokens, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
-              seed=seed, stop_tokens=stop_tokens, **o.engine_kwargs)
+              seed=seed, stop_tokens=stop_tokens, **o.engine_kwargs,
+              **({"images": images} if images else {}))
           server.open_handles[id(handle)] = handle
           detok = Detokenizer(server.tokenizer, handle.stop_ids, o.stops, o.include_stop,
                               o.skip_special)
@@ -380,10 +407,15 @@ def create_app(server: Server) -> FastAPI:
   async def generate(request: Request, chat: bool):
     body, size = await parse(request)
     o = params.parse_options(body, chat)
+    images = None
     if chat:
-      prompts = [await chat_ids(body, size, o.add_generation_prompt, o.continue_final)]
+      ids, images = await chat_ids(body, size, o.add_generation_prompt, o.continue_final)
+      prompts = [ids]
     else:
       prompts = await prompt_ids(body, size, o.add_special)
+    if o.truncate is not None and images:
+      raise ApiError(400, "truncate_prompt_tokens is not supported with images (it could cut an "
+                     "image's tokens apart)", "truncate_prompt_tokens")
     if o.truncate is not None:  # vLLM's truncate_prompt_tokens: the last k tokens
       prompts = [p[-o.truncate:] for p in prompts]
     state = request.scope.setdefault("state", {})  # the access log line reads it
@@ -394,7 +426,7 @@ def create_app(server: Server) -> FastAPI:
     usage["total_tokens"] = usage["prompt_tokens"]
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    choices = submit_all(prompts, o, chat, events, loop)
+    choices = submit_all(prompts, o, chat, events, loop, images)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{o.request_id or uuid.uuid4().hex}"
     obj = "chat.completion" if chat else "text_completion"
     created = int(time.time())
@@ -525,8 +557,8 @@ def create_app(server: Server) -> FastAPI:
       if add_special:
         raise ApiError(400, "'add_special_tokens' = true is not supported with 'messages': the "
                        "chat template adds them", "add_special_tokens")
-      ids = await chat_ids(body, size, params.boolean(body, "add_generation_prompt", True),
-                           params.boolean(body, "continue_final_message"))
+      ids, _ = await chat_ids(body, size, params.boolean(body, "add_generation_prompt", True),
+                              params.boolean(body, "continue_final_message"))
     else:
       prompt = body.get("prompt")
       if not isinstance(prompt, str):
