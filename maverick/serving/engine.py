@@ -663,12 +663,8 @@ class Engine:
       bucket = self.bucket(len(h.prompt) + len(h.output) - start)
       args = self._host_args(b, h.prompt, h.params, sorted(h.stop_ids), h.max_tokens, start,
                              h.output)
-      if h.pixels is None:
-        self._slots_state = self._exes[bucket](self._states, self._slots_state, *args)
-      else:
-        pixels = images_lib.place(self, h.pixels)
-        exe = images_lib.insert_program(self, bucket, h.pixels.shape[0], args, pixels)
-        self._slots_state = exe(self._states, self._slots_state, *args, pixels=pixels)
+      self._slots_state = (self._exes[bucket](self._states, self._slots_state, *args)
+                           if h.pixels is None else images_lib.insert(self, bucket, args, h.pixels))
       self._owner[b], release[b] = h, False
       h.admitted = time.perf_counter()
       self.peak_active = max(self.peak_active, self.active)

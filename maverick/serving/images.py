@@ -36,20 +36,17 @@ def request_pixels(engine, prompt, images, max_tiles):
   return plain.image_inputs(engine.model, [list(prompt)], images or None, max_tiles)
 
 
-def place(engine, pixels):
-  """The pixel values on the model's devices (replicated, as the tower is)."""
-  return plain.with_images(plain.Request(None, None, None, None, None), pixels,
-                           engine.model).pixel_values
-
-
-def insert_program(engine, bucket: int, tiles: int, args, pixels):
-  """The compiled insert for a prompt bucket with `tiles` image tiles, compiled the first time."""
-  key = ("insert-images", bucket, tiles)
+def insert(engine, bucket: int, args, pixels):
+  """Runs the insert for a prompt bucket with these image tiles (pixels, on the host): its
+  program is compiled the first time a (bucket, tile count) comes; returns the new slot state."""
+  pixels = plain.with_images(plain.Request(None, None, None, None, None), pixels,
+                             engine.model).pixel_values  # replicated, as the tower is
+  key = ("insert-images", bucket, pixels.shape[0])
   if key not in engine._exes:
     insert = jax.jit(engine._insert, donate_argnums=(1,))
     engine._exes[key] = insert.lower(engine._states, engine._slots_state, *args,
                                      pixels=pixels).compile()
-  return engine._exes[key]
+  return engine._exes[key](engine._states, engine._slots_state, *args, pixels=pixels)
 
 
 def of_which(engine, prompt) -> str:
