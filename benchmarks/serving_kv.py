@@ -13,6 +13,9 @@ a whole number of --block_size blocks. Budget = 8 rows of it (what the contiguou
     layers, nothing released before a request ends);
   - paged + chunk-local: the same, chunk-local layers in a pool of their own that releases blocks
     before the current chunk.
+  Both paged engines also compile step programs over narrower block tables (--table_widths, in
+  blocks) and run the narrowest that holds the running rows' blocks; every engine moves a long
+  request left alone in a high slot down (serving/compaction.py).
 The mix (`mix`): --requests requests, all queued at t=0, seed --seed: prompt lengths lognormal
 (median --prompt_median, sigma --sigma) rounded and clipped to [16, max_seq_len / 2], output
 lengths lognormal (median --output_median, sigma --sigma) clipped to [4, max_seq_len / 2] and to
@@ -74,6 +77,7 @@ class Setup:
   ttft_requests: int = 8
   out_dir: str = os.path.join(REPO, "benchmarks", "results")
   batch_buckets: object = None
+  table_widths: tuple = (4, 8, 16)
 
 
 def mix(n: int, max_seq_len: int, seed: int, prompt_median: float, output_median: float,
@@ -167,6 +171,7 @@ def capacity(s: "Setup", loaded, draft, k: int, tokens: np.ndarray) -> list[dict
     kw.setdefault("slots", s.paged_slots)
     if "kv_layout" in kw:
       kw["block_size"] = bs
+      kw["table_widths"] = tuple(w for w in s.table_widths if w < cap // bs)
     e = _engine(s, loaded, draft, k, max_seq_len=max_seq_len, **kw)
     try:
       assert e.capacity == cap, (e.capacity, cap)  # a row is exactly cap / bs blocks
@@ -315,7 +320,8 @@ def setup_text(s: Setup) -> str:
           f"{s.prompt_median}, sigma {s.sigma}) rounded, in [16, max_seq_len/2], output ~ "
           f"lognormal(median {s.output_median}, sigma {s.sigma}) rounded, in [4, max_seq_len/2]. "
           f"Prefix part: {s.system_len}-token system prompt + {SUFFIX_LEN}-token suffix, 4 new "
-          f"tokens, median of {s.ttft_requests} hits.")
+          f"tokens, median of {s.ttft_requests} hits. Paged step programs over tables of "
+          f"{', '.join(map(str, s.table_widths))} blocks besides the whole row.")
 
 
 def run(s: Setup, argv=()) -> dict:
@@ -357,6 +363,12 @@ def main(argv):
       modes = tuple(int(k) for k in F.spec_k)
     except ValueError:
       raise cli.UsageError(f"--spec_k: {F.spec_k} are not all integers") from None
+    try:
+      widths = tuple(int(w) for w in F.table_widths)
+    except ValueError:
+      raise cli.UsageError(f"--table_widths: {F.table_widths} are not all integers") from None
+    if any(w < 1 for w in widths):
+      raise cli.UsageError(f"--table_widths: {list(widths)} must be >= 1 (blocks)")
     if any(k < 0 for k in modes):
       raise cli.UsageError(f"--spec_k: {list(modes)} must be >= 0 (0 = plain decoding)")
     if F.capacity % F.block_size or F.capacity < 4 * F.block_size:
@@ -368,8 +380,8 @@ def main(argv):
   except cli.UsageError as e:
     return cli.fail("serving_kv", e)
   s = Setup(**{f.name: F[f.name].value for f in dataclasses.fields(Setup)
-               if f.name not in ("spec_k", "batch_buckets", "parts")},
-            parts=tuple(F.parts), spec_k=modes)
+               if f.name not in ("spec_k", "batch_buckets", "parts", "table_widths")},
+            parts=tuple(F.parts), spec_k=modes, table_widths=widths)
   run(s, argv[1:])
   return 0
 
@@ -394,6 +406,10 @@ def define_flags():
   flags.DEFINE_integer("min_bucket", d.min_bucket, "Smallest prompt bucket.")
   flags.DEFINE_integer("system_len", d.system_len, "Shared system prompt tokens (prefix part).")
   flags.DEFINE_integer("ttft_requests", d.ttft_requests, "Timed prefix-hit requests.")
+  flags.DEFINE_list("table_widths", [str(w) for w in d.table_widths], "Block-table widths "
+                    "(blocks per row) the paged engines compile step programs for besides the "
+                    "whole row (Engine(table_widths=...)); those under capacity/block_size are "
+                    "used.")
   flags.DEFINE_string("out_dir", d.out_dir, "Where the JSON, Markdown and PNG results go.")
 
 

@@ -48,6 +48,7 @@ from maverick import kv_cache as kvc
 from maverick import sampling
 from maverick import sharding
 from maverick.serving import blocks
+from maverick.serving import compaction
 from maverick.serving import images as images_lib
 from maverick.serving import paging
 from spec_decode import speculative as spec
@@ -119,6 +120,10 @@ class Engine:
   same tokens, whose prefill then starts after them (prefills attend to the cache: the programs
   differ from the no-prefix-cache engine's). chunk_local=False (paged): chunk-local layers keep all
   their blocks, as global ones do (one pool; for comparison, see benchmarks/serving_kv.py).
+  table_widths (paged): block-table widths (blocks per row) to compile step programs for besides
+  the whole row; each call runs the narrowest that holds every block its rows reserved, so the
+  XLA path gathers and attends over the longest running row, not max_seq_len (more programs to
+  compile: batch buckets x widths).
   """
 
   def __init__(self, model, draft=None, *, k: int = 3, tree=None, slots: int = 8,
@@ -128,14 +133,15 @@ class Engine:
                batch_buckets: Sequence[int] | None = None,
                max_logit_bias: int = sampling.MAX_LOGIT_BIAS, kv_layout: str = "contiguous",
                num_blocks: int | None = None, block_size: int = blocks.DEFAULT_BLOCK_SIZE,
-               prefix_cache: bool = False, preemption: bool = False, chunk_local: bool = True):
+               prefix_cache: bool = False, preemption: bool = False, chunk_local: bool = True,
+               table_widths: Sequence[int] = ()):
     cfg = model.config
     if kv_layout not in ("contiguous", "paged"):
       raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
-    if (num_blocks is not None or prefix_cache or preemption or not chunk_local) \
-        and kv_layout != "paged":
-      raise ValueError("num_blocks, prefix_cache, preemption and chunk_local=False need the paged "
-                       "KV layout: pass kv_layout='paged' with them")
+    if (num_blocks is not None or prefix_cache or preemption or not chunk_local
+        or table_widths) and kv_layout != "paged":
+      raise ValueError("num_blocks, prefix_cache, preemption, chunk_local=False and table_widths "
+                       "need the paged KV layout: pass kv_layout='paged' with them")
     self.prefix_cache, self.preemption = bool(prefix_cache), bool(preemption)
     if slots < 1 or rounds < 1:
       raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
@@ -167,7 +173,8 @@ class Engine:
           cfg, slots, self.capacity, block_size=block_size,
           num_blocks=slots * per_row if num_blocks is None else num_blocks,
           advance=self.window, slack=slack, lag=self.width + 2, draft=draft is not None,
-          prefix_cache=prefix_cache, worst_case=not preemption, chunk_local=chunk_local)
+          prefix_cache=prefix_cache, worst_case=not preemption, chunk_local=chunk_local,
+          widths=table_widths)
     self.buckets = []
     b = min_bucket
     while b < max_seq_len:
@@ -202,6 +209,7 @@ class Engine:
     self.released = 0  # slots freed by a cancellation (a client gone, a stop string)
     self.finished = 0  # requests that ran to a stop token or their limit
     self.peak_active = 0  # most requests running at once (benchmarks/serving_kv.py)
+    self.moves = 0  # rows moved to a lower slot (serving/compaction.py)
     self.spec_rounds = self.spec_accepted = 0  # over finished requests: acceptance length
 
   # ---------------------------------------------------------------------------------------------
@@ -388,10 +396,14 @@ class Engine:
     release = jax.device_put(np.zeros((self.slots,), bool))
     tables = self._tables()
     for n in self.batch_buckets:
-      note(f"step batch {n}")
-      self._exes["step", n] = jax.jit(functools.partial(self._step, n=n),
-                                      donate_argnums=(1,)).lower(
-          self._states, rows, release, tables).compile()
+      for w in (None,) if self._paging is None else self._paging.widths:
+        note(f"step batch {n}" + ("" if w is None else f" width {w}"))
+        self._exes[self._step_key(n, w)] = jax.jit(functools.partial(self._step, n=n),
+                                                   donate_argnums=(1,)).lower(
+            self._states, rows, release, None if w is None else tables[:, :, :w]).compile()
+    slot = jax.device_put(np.int32(0))
+    self._exes["move",] = jax.jit(functools.partial(compaction.move_row, self),
+                                  donate_argnums=(0,)).lower(rows, slot, slot).compile()
     insert = jax.jit(self._insert, donate_argnums=(1,))
     for b in self.buckets:
       note(f"prefill bucket {b}")
@@ -423,13 +435,19 @@ class Engine:
                length(len(prior)), length(len(prompt)))
     return args
 
-  def _tables(self, slot: int | None = None):
+  def _step_key(self, n: int, width: int | None):
+    full = width is None or width == self._paging.max_blocks
+    return ("step", n) if full else ("step", n, width)
+
+  def _tables(self, slot: int | None = None, width: int | None = None):
     """The host's block tables on the device: all slots, or one slot's [1, P, M]; None when the
     cache is contiguous."""
     if self._paging is None:
       return None
     t = self._paging.tables
-    return jax.device_put(t if slot is None else t[slot:slot + 1])
+    # A copy: on CPU device_put may alias a contiguous NumPy array, and the host edits its tables
+    # (moves, frees, reservations) while the call that got them may not have run yet.
+    return jax.device_put(np.array(t[:, :, :width] if slot is None else t[slot:slot + 1]))
 
   def bucket(self, n: int) -> int:
     return next(b for b in self.buckets if b >= n)
@@ -589,12 +607,14 @@ class Engine:
       self._admit(release)
       if self._paging is not None:
         self._reserve(release)
+      self._compact(release)
       if self.active:
         # Released slots are in the step too, so their rows get marked done.
         busy = 1 + max(b for b in range(self.slots) if self._owner[b] is not None or release[b])
         n = self.batch_bucket(busy)
-        rows, report = self._exes["step", n](self._states, self._slots_state,
-                                             jax.device_put(release), self._tables())
+        w = None if self._paging is None else self._paging.width(n)
+        rows, report = self._exes[self._step_key(n, w)](
+            self._states, self._slots_state, jax.device_put(release), self._tables(width=w))
         release = np.zeros((self.slots,), bool)
         self._slots_state = rows
         self.steps += 1
@@ -608,6 +628,16 @@ class Engine:
       if pending is None:
         self._wake.wait(0.05)
         self._wake.clear()
+
+  def _compact(self, release: np.ndarray) -> None:
+    owned = [h is not None for h in self._owner]
+    for src, dst in compaction.plan_moves(owned, release, self.batch_bucket):
+      put = lambda b: jax.device_put(np.int32(b))
+      self._slots_state = self._exes["move",](self._slots_state, put(src), put(dst))
+      self._owner[dst], self._owner[src] = self._owner[src], None
+      if self._paging is not None:
+        self._paging.move(src, dst)
+      self.moves += 1
 
   def _reserve(self, release: np.ndarray) -> None:
     """Blocks for the next call's writes, oldest request first; when the pool runs dry
@@ -693,10 +723,12 @@ class Engine:
           self.spec_rounds += int(report["rounds"][b])
           self.spec_accepted += int(report["accepted"][b])
         reason = "stop" if tokens and tokens[-1] in h.stop_ids else "length"
-        if self._owner[b] is h:
-          self._owner[b] = None
+        # h ran in slot b; compaction may have moved it since.
+        slot = next((i for i, o in enumerate(self._owner) if o is h), None)
+        if slot is not None:
+          self._owner[slot] = None
           if self._paging is not None:
-            self._paging.free(b, h.id)
+            self._paging.free(slot, h.id)
       if n or done:
         logprobs = None if h.logprobs is None else sampling.logprob_lists(
             *(report[name][b] for name in LOGPROB_FIELDS), n, h.logprobs)

@@ -51,12 +51,17 @@ class PagedKV:
 
   def __init__(self, cfg, slots: int, capacity: int, *, block_size: int, num_blocks: int,
                advance: int, slack: int, lag: int, draft: bool, prefix_cache: bool = False,
-               worst_case: bool = True, chunk_local: bool = True):
+               worst_case: bool = True, chunk_local: bool = True, widths=()):
     if block_size < 1 or num_blocks < 1:
       raise ValueError(f"a paged KV cache needs block_size >= 1 and num_blocks >= 1, got "
                        f"block_size={block_size}, num_blocks={num_blocks}")
     self.block_size, self.num_blocks = block_size, num_blocks
     self.max_blocks = -(-capacity // block_size)
+    bad = [w for w in widths if not (isinstance(w, (int, np.integer)) and 1 <= w <= self.max_blocks)]
+    if bad:
+      raise ValueError(f"table_widths must be block counts in [1, {self.max_blocks}] (a row of "
+                       f"{capacity} positions in blocks of {block_size}), got {bad}")
+    self.widths = sorted({int(w) for w in widths} | {self.max_blocks})  # step-program table widths
     L = cfg.num_hidden_layers
     chunk = cfg.attention_chunk_size
     # A chunk that is not a whole number of blocks would put a chunk boundary inside a block, and
@@ -149,6 +154,17 @@ class PagedKV:
     upto = len(tokens) - self.lag
     if upto > len(req.tokens):
       self.mgr.commit(rid, tokens[len(req.tokens):upto])
+
+  def width(self, n: int) -> int:
+    """The narrowest step-program table width holding every block slots [0, n) hold."""
+    held = np.nonzero((self.tables[:n] != kvc.NO_BLOCK).any(axis=(0, 1)))[0]
+    need = int(held[-1]) + 1 if held.size else 1
+    return next(w for w in self.widths if w >= need)
+
+  def move(self, src: int, dst: int) -> None:
+    """The request in slot src now runs in slot dst (free): its table row goes along."""
+    self.tables[dst] = self.tables[src]
+    self.tables[src] = kvc.NO_BLOCK
 
   def free(self, slot: int | None, rid) -> None:
     """A finished or cancelled request lets go of its blocks (once)."""
