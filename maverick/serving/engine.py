@@ -140,7 +140,7 @@ class Engine:
       raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
     if (num_blocks is not None or prefix_cache or preemption or not chunk_local
         or table_widths) and kv_layout != "paged":
-      raise ValueError("num_blocks, prefix_cache, preemption, chunk_local=False and table_widths "
+      raise ValueError("num_blocks, prefix_cache, preemption, table_widths and chunk_local=False "
                        "need the paged KV layout: pass kv_layout='paged' with them")
     self.prefix_cache, self.preemption = bool(prefix_cache), bool(preemption)
     if slots < 1 or rounds < 1:
