@@ -77,7 +77,12 @@ _PREEMPTION = flags.DEFINE_boolean("preemption", False, "Paged: admit by prompt 
                                    "(default: admit by each request's worst case, never preempt).")
 _CHUNK_LOCAL = flags.DEFINE_boolean("chunk_local", True, "Paged: release chunk-local layers' "
                                     "blocks before the current chunk (--nochunk_local keeps them).")
-PAGED_FLAGS = ("num_blocks", "block_size", "prefix_cache", "preemption", "chunk_local")
+_TABLE_WIDTHS = flags.DEFINE_list(
+    "table_widths", [], "Paged: block-table widths (blocks per row) to compile step programs for "
+    "besides the whole row; each call runs the narrowest holding its rows' blocks (the XLA path "
+    "then attends over the longest running row, not --max_seq_len). More start-up compiles.")
+PAGED_FLAGS = ("num_blocks", "block_size", "prefix_cache", "preemption", "chunk_local",
+               "table_widths")
 _API_KEY = flags.DEFINE_string(
     "api_key", None, "Require 'Authorization: Bearer <key>' on every path but /health (401 with "
     "OpenAI's error body otherwise). Default: the MAVERICK_API_KEY environment variable, else none.")
@@ -139,9 +144,14 @@ def kv_args() -> dict:
       raise cli.UsageError(f"{', '.join(given)}: only for the paged KV layout; add "
                            "--kv_layout=paged")
     return {}
+  try:
+    widths = tuple(int(w) for w in _TABLE_WIDTHS.value)
+  except ValueError:
+    raise cli.UsageError(f"--table_widths: {','.join(_TABLE_WIDTHS.value)} are not all integers "
+                         "(block counts, e.g. --table_widths=4,8,16)") from None
   return dict(kv_layout="paged", num_blocks=_NUM_BLOCKS.value, block_size=_BLOCK_SIZE.value,
               prefix_cache=_PREFIX_CACHE.value, preemption=_PREEMPTION.value,
-              chunk_local=_CHUNK_LOCAL.value)
+              chunk_local=_CHUNK_LOCAL.value, table_widths=widths)
 
 
 def _tree_shape():

@@ -19,13 +19,24 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SERVE = str(REPO / "scripts" / "serve.py")
 
 
-@pytest.mark.parametrize("flag", ["--prefix_cache", "--num_blocks=8", "--nochunk_local"])
+@pytest.mark.parametrize("flag", ["--prefix_cache", "--num_blocks=8", "--nochunk_local",
+                                  "--table_widths=2"])
 def test_a_paged_flag_without_the_paged_layout_is_a_one_line_error(flag):
   r = subprocess.run([sys.executable, SERVE, flag, "--port=0"], cwd=REPO, env=single_device_env(),
                      capture_output=True, text=True, timeout=120)
   assert r.returncode == 1, r.stderr
   assert r.stderr.startswith("serve: error: ") and "--kv_layout=paged" in r.stderr, r.stderr
   assert flag.split("=")[0].replace("--no", "--") in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("widths,words", [("4,x", "--table_widths: 4,x are not all integers"),
+                                          ("9", "table_widths must be block counts in [1, 3]")])
+def test_bad_table_widths_are_a_one_line_error(widths, words):
+  r = subprocess.run([sys.executable, SERVE, "--kv_layout=paged", f"--table_widths={widths}",
+                      "--spec_k=0", "--max_seq_len=64", "--block_size=32", "--port=0"], cwd=REPO,
+                     env=single_device_env(), capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+  assert r.stderr.startswith("serve: error: ") and words in r.stderr, r.stderr
 
 
 def test_health_shows_the_paged_pools(tmp_path):
@@ -40,7 +51,7 @@ def test_health_shows_the_paged_pools(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, SERVE, f"--port={port}", "--spec_k=0", "--slots=2", "--max_seq_len=64",
          "--min_bucket=64", "--batch_buckets=2", "--rounds=2", "--kv_layout=paged",
-         "--num_blocks=9", "--block_size=32", "--prefix_cache"],
+         "--num_blocks=9", "--block_size=32", "--prefix_cache", "--table_widths=1"],
         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
   base = f"http://127.0.0.1:{port}"
   try:
