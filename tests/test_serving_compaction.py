@@ -47,8 +47,8 @@ def model32():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,k,widths", [
-    ("contiguous", None, ()), ("paged", None, (2, 4)), ("paged", 3, ()), ("paged", 3, (2, 4))],
-    ids=["contiguous", "paged-widths", "paged-k3", "paged-k3-widths"])
+    ("contiguous", None, ()), ("paged", None, (2, 4)), ("paged", 3, (2, 4))],
+    ids=["contiguous", "paged-widths", "paged-k3-widths"])  # paged-k3 alone: cut for CI time
 def test_a_long_request_left_in_the_top_slot_moves_down_and_keeps_its_output(model32, layout, k,
                                                                               widths):
   tok = model32.tokenizer

@@ -86,13 +86,12 @@ def test_paged_engine_equals_contiguous(loaded, tiny_draft, name, draft_kind, kw
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["plain", "tree"])
+@pytest.mark.parametrize("spec", ["plain", "k3", "tree"])
 def test_paged_engine_fp8_kv_equals_contiguous(loaded, spec):
   """Dynamic FP8 KV: the paged insert prefills through the start= path (attending to the cache)
   and the contiguous one into an empty cache; both read the prompt's K/V as stored (e4m3 with
   the per-token scales on scores and probabilities), so the outputs agree token for token,
-  near-ties included. "k3" passes too (130 s on 2 busy cores, plain 83 s, tree 139 s); it is
-  left out of CI for time (its draft prefill is the tree's, its verify the bf16 k1..k5 runs')."""
+  near-ties included (a chain, K = 3, and a tree)."""
   model = convert.quantize_model(loaded.model, quant_config.QuantConfig(weights=None,
                                                                         kv_cache="fp8"))
   prompts, max_tokens = _prompts(loaded)
@@ -243,10 +242,9 @@ def test_paged_kv_host_bookkeeping_random_requests_and_cancellations(loaded):
   """A simulated engine loop (lagging reports, reserve ahead, chunk-local release, random
   cancellations, admission by blocks) over 1,000 random requests on a small pool: reservations
   never fail, every position a call may write is reserved, no chunk-local block a query can see
-  is released, and every block is free at the end. The acceptance's "1,000 random requests with
-  random cancellations" runs here, on the host bookkeeping the engine uses (paging.PagedKV); the
-  real engine with the device runs 24 such requests in
-  test_paged_engine_small_pool_random_cancellations_frees_every_block (slow)."""
+  is released, and every block is free at the end: the host bookkeeping the engine uses
+  (paging.PagedKV), checked at every call. The real engine runs 1,000 random requests with
+  cancellations in test_serving_churn.py (slow)."""
   cfg = loaded.model.config
   slots, capacity, advance, slack, lag = 4, 512, 9, 3, 4
   pg = paging.PagedKV(cfg, slots, capacity, block_size=BS, num_blocks=40, advance=advance,
