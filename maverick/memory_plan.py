@@ -329,9 +329,10 @@ def format_reports(title: str, reports, hbm=DEVICES_HBM) -> str:
 
 
 # --- Serving view (issue 29): concurrent requests per device under three KV layouts -------------
-# By formula. Engine(kv_layout="paged", preemption=True) realises the paged column (one num_blocks
-# for both pools); the chunk-local column needs a smaller chunked pool and prompts prefilled a chunk
-# at a time, which Engine does not do yet. scripts/plan_memory.py --serving prints this per column.
+# By formula. Engine(kv_layout="paged", preemption=True) realises the paged column; with
+# num_chunked_blocks (a smaller chunk-local pool) the chunk-local column's memory, but Engine
+# prefills a prompt whole where this plan assumes a chunk at a time. scripts/plan_memory.py
+# --serving prints this per column.
 
 
 @dataclasses.dataclass(frozen=True)

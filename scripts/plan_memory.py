@@ -275,9 +275,10 @@ def run_serving(cfg, sizes: dict[str, int]) -> str:
            f"columns contiguous / paged / paged+chunk-local: concurrent requests\n"
            f"  contiguous = Engine() (max_seq_len {_CONTEXT.value}); paged = Engine(kv_layout="
            f"'paged', block_size={_BLOCK.value}, num_blocks=requests x expected global blocks, "
-           f"preemption=True: blocks grow with each request); paged+chunk-local = not an Engine "
-           f"option yet (Engine sizes its chunk-local pool as its global one and prefills a "
-           f"prompt whole)")
+           f"preemption=True: blocks grow with each request); paged+chunk-local = the same + "
+           f"num_chunked_blocks=requests x expected chunk-local blocks (Engine prefills a "
+           f"prompt whole, so a prompt briefly holds all its chunked blocks: the plan assumes a "
+           f"chunk at a time)")
   text = memory_plan.format_serving(title, rows)
   if _JSON.value:
     cli.write_atomic(_JSON.value, json.dumps({

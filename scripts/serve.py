@@ -69,6 +69,9 @@ _KV_LAYOUT = flags.DEFINE_enum(
     "see README, Serving). The flags below need --kv_layout=paged.")
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", None, "Paged: KV blocks per pool. Default: "
                                    "--slots x the blocks of a row (the contiguous layout's memory).")
+_NUM_CHUNKED_BLOCKS = flags.DEFINE_integer(
+    "num_chunked_blocks", None, "Paged: KV blocks in the chunk-local layers' pool, which a request "
+    "holds about a chunk of (a whole prompt while it prefills). Default: --num_blocks.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 64, "Paged: positions per KV block.")
 _PREFIX_CACHE = flags.DEFINE_boolean("prefix_cache", False, "Paged: keep full blocks of committed "
                                      "tokens and share them with later prompts that start alike.")
@@ -81,7 +84,7 @@ _TABLE_WIDTHS = flags.DEFINE_list(
     "table_widths", [], "Paged: block-table widths (blocks per row) to compile step programs for "
     "besides the whole row; each call runs the narrowest holding its rows' blocks (the XLA path "
     "then attends over the longest running row, not --max_seq_len). More start-up compiles.")
-PAGED_FLAGS = ("num_blocks", "block_size", "prefix_cache", "preemption", "chunk_local",
+PAGED_FLAGS = ("num_blocks", "num_chunked_blocks", "block_size", "prefix_cache", "preemption", "chunk_local",
                "table_widths")
 _API_KEY = flags.DEFINE_string(
     "api_key", None, "Require 'Authorization: Bearer <key>' on every path but /health (401 with "
@@ -149,7 +152,8 @@ def kv_args() -> dict:
   except ValueError:
     raise cli.UsageError(f"--table_widths: {','.join(_TABLE_WIDTHS.value)} are not all integers "
                          "(block counts, e.g. --table_widths=4,8,16)") from None
-  return dict(kv_layout="paged", num_blocks=_NUM_BLOCKS.value, block_size=_BLOCK_SIZE.value,
+  return dict(kv_layout="paged", num_blocks=_NUM_BLOCKS.value,
+              num_chunked_blocks=_NUM_CHUNKED_BLOCKS.value, block_size=_BLOCK_SIZE.value,
               prefix_cache=_PREFIX_CACHE.value, preemption=_PREEMPTION.value,
               chunk_local=_CHUNK_LOCAL.value, table_widths=widths)
 

@@ -286,6 +286,8 @@ def test_script_serving_view(tmp_path):
   assert "no engine pages" not in p.stdout
   assert ("paged = Engine(kv_layout='paged', block_size=8, num_blocks=requests x expected global "
           "blocks, preemption=True" in p.stdout)
+  assert ("paged+chunk-local = the same + num_chunked_blocks=requests x expected chunk-local"
+          in p.stdout)
   assert "2 global + 1 draft (bf16) | 6 chunk-local (chunk 16)" in p.stdout
   data = json.loads(out.read_text())
   assert [(r["device"], r["kv_cache"]) for r in data["rows"]] == [

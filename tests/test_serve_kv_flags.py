@@ -20,7 +20,7 @@ SERVE = str(REPO / "scripts" / "serve.py")
 
 
 @pytest.mark.parametrize("flag", ["--prefix_cache", "--num_blocks=8", "--nochunk_local",
-                                  "--table_widths=2"])
+                                  "--table_widths=2", "--num_chunked_blocks=4"])
 def test_a_paged_flag_without_the_paged_layout_is_a_one_line_error(flag):
   r = subprocess.run([sys.executable, SERVE, flag, "--port=0"], cwd=REPO, env=single_device_env(),
                      capture_output=True, text=True, timeout=120)
@@ -51,7 +51,8 @@ def test_health_shows_the_paged_pools(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, SERVE, f"--port={port}", "--spec_k=0", "--slots=2", "--max_seq_len=64",
          "--min_bucket=64", "--batch_buckets=2", "--rounds=2", "--kv_layout=paged",
-         "--num_blocks=9", "--block_size=32", "--prefix_cache", "--table_widths=1"],
+         "--num_blocks=9", "--num_chunked_blocks=5", "--block_size=32", "--prefix_cache",
+         "--table_widths=1"],
         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
   base = f"http://127.0.0.1:{port}"
   try:
@@ -68,7 +69,7 @@ def test_health_shows_the_paged_pools(tmp_path):
     assert health is not None, f"not ready (exit {proc.poll()}):\n{log.read_text()[-3000:]}"
     assert health["kv_layout"] == "paged" and health["block_size"] == 32
     assert health["global_blocks_free"] == 9 and health["global_blocks_used"] == 0
-    assert health["chunked_blocks_free"] == 9  # the embedded model's chunk (128) is 4 blocks
+    assert health["chunked_blocks_free"] == 5  # the embedded model's chunk (128) is 4 blocks
     assert health["preemptions"] == 0 and health["prefix_hit_rate"] == 0.0
     prompt = [(7 * i) % 4000 + 1 for i in range(40)]  # one full block of 32 to share
     for _ in range(2):

@@ -325,8 +325,23 @@ def test_paged_engine_bad_arguments_and_oversized_requests(loaded):
                           "chunked_blocks_free": 3, "global_blocks_used": 0,
                           "chunked_blocks_used": 0}
   with pytest.raises(maverick.serving.RequestError, match="needs up to 6 KV blocks of 32 tokens "
-                     "but the pool has 3"):
+                     "but the global pool has 3: .*raise num_blocks"):
     e.submit([1] * 100, lambda ev: None, max_tokens=60)
+  # A chunk-local pool smaller than the global one: a prompt prefills whole, so it must fit.
+  e = Engine(loaded.model, slots=2, max_seq_len=256, kv_layout="paged", num_blocks=16,
+             num_chunked_blocks=3, block_size=BS)
+  assert (e.kv_stats()["global_blocks_free"], e.kv_stats()["chunked_blocks_free"]) == (16, 3)
+  with pytest.raises(maverick.serving.RequestError, match="needs up to 4 KV blocks of 32 tokens "
+                     "but the chunked pool has 3: .*raise num_chunked_blocks"):
+    e.submit([1] * 100, lambda ev: None, max_tokens=10)
+  with pytest.raises(ValueError, match="num_chunked_blocks sizes the chunk-local layers' pool, but "
+                     "this engine has none .*chunk_local=False"):
+    Engine(loaded.model, slots=2, max_seq_len=256, kv_layout="paged", chunk_local=False,
+           num_chunked_blocks=8)
+  with pytest.raises(ValueError, match="num_chunked_blocks.* need the paged KV layout"):
+    Engine(loaded.model, slots=2, max_seq_len=256, num_chunked_blocks=8)
+  with pytest.raises(ValueError, match="num_chunked_blocks=0"):
+    Engine(loaded.model, slots=2, max_seq_len=256, kv_layout="paged", num_chunked_blocks=0)
 
 
 
@@ -463,6 +478,44 @@ def test_chunk_local_off_releases_no_block_and_keeps_the_output(loaded):
     assert any(e._paging.layer_table) == local
   assert outs[False] == outs[True]
   assert holes[True] > 0 and holes[False] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["plain", "k3"])
+def test_a_small_chunk_local_pool_keeps_the_output(loaded, tiny_draft, spec):
+  """Engine(num_chunked_blocks=16): the chunk-local layers' pools hold 16 blocks (one row's
+  worth) beside a global pool of 32, so the 370- and 250-token prompts cannot hold their chunked
+  blocks at once and the second waits for blocks, not a slot. The output equals the contiguous
+  engine's, past 3 chunks, and no table ever names more chunked blocks than the pool has."""
+  prompts, max_tokens = _prompts(loaded)
+  kw = {} if spec == "plain" else dict(k=3)
+  draft = None if spec == "plain" else tiny_draft
+  outs = {}
+  for layout_kw in ({}, dict(kv_layout="paged", block_size=BS, num_chunked_blocks=16)):
+    e = _engines(loaded.model, draft, layout_kw, **kw)
+    held = []
+    if layout_kw:
+      pg = e._paging
+      assert pg.pool_sizes == [2 * pg.max_blocks, 16]
+      reserve = pg.reserve
+
+      def spy(slot, rid, known, reserve=reserve, pg=pg):
+        reserve(slot, rid, known)
+        held.append(int(np.sum(pg.tables[:, 1] != blocks.NO_BLOCK)))
+      pg.reserve = spy
+    e.compile()
+    e.start()
+    try:
+      outs[bool(layout_kw)] = _run(e, prompts, max_tokens)
+    finally:
+      e.shutdown()
+  assert outs[True] == outs[False]
+  assert max(held) <= 16 and e.peak_active == 2
+  cache = e._slots_state["cache"]
+  sizes = {(e._paging.layer_table[i], x.shape[0]) for i, x in enumerate(cache.k)}
+  assert sizes == {(0, 2 * e._paging.max_blocks), (1, 16)}  # (table, pool blocks) per layer
+  time.sleep(0.5)
+  assert e._paging.idle()
 
 
 def test_chunk_local_off_without_the_paged_layout_is_refused(loaded):

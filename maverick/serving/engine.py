@@ -115,7 +115,8 @@ class Engine:
   kv_layout: "contiguous" (each slot a row of the cache) or "paged" (KV blocks of `block_size`
   positions from pools of `num_blocks` blocks shared by all slots, default slots x the blocks of a
   row, so no more memory than contiguous; admission by free blocks, chunk-local layers release
-  blocks their queries can no longer see; see maverick/serving/paging.py). prefix_cache (paged):
+  blocks their queries can no longer see, from a pool of `num_chunked_blocks` (default
+  num_blocks); see maverick/serving/paging.py). prefix_cache (paged):
   full blocks of committed tokens are kept (LRU) and shared by later prompts that start with the
   same tokens, whose prefill then starts after them (prefills attend to the cache: the programs
   differ from the no-prefix-cache engine's). chunk_local=False (paged): chunk-local layers keep all
@@ -134,14 +135,15 @@ class Engine:
                max_logit_bias: int = sampling.MAX_LOGIT_BIAS, kv_layout: str = "contiguous",
                num_blocks: int | None = None, block_size: int = blocks.DEFAULT_BLOCK_SIZE,
                prefix_cache: bool = False, preemption: bool = False, chunk_local: bool = True,
-               table_widths: Sequence[int] = ()):
+               table_widths: Sequence[int] = (), num_chunked_blocks: int | None = None):
     cfg = model.config
     if kv_layout not in ("contiguous", "paged"):
       raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
-    if (num_blocks is not None or prefix_cache or preemption or not chunk_local
-        or table_widths) and kv_layout != "paged":
-      raise ValueError("num_blocks, prefix_cache, preemption, table_widths and chunk_local=False "
-                       "need the paged KV layout: pass kv_layout='paged' with them")
+    if (num_blocks is not None or num_chunked_blocks is not None or prefix_cache or preemption
+        or not chunk_local or table_widths) and kv_layout != "paged":
+      raise ValueError("num_blocks, num_chunked_blocks, prefix_cache, preemption, table_widths "
+                       "and chunk_local=False need the paged KV layout: pass kv_layout='paged' "
+                       "with them")
     self.prefix_cache, self.preemption = bool(prefix_cache), bool(preemption)
     if slots < 1 or rounds < 1:
       raise ValueError(f"slots and rounds must be >= 1, got slots={slots}, rounds={rounds}")
@@ -174,7 +176,7 @@ class Engine:
           num_blocks=slots * per_row if num_blocks is None else num_blocks,
           advance=self.window, slack=slack, lag=self.width + 2, draft=draft is not None,
           prefix_cache=prefix_cache, worst_case=not preemption, chunk_local=chunk_local,
-          widths=table_widths)
+          widths=table_widths, num_chunked_blocks=num_chunked_blocks)
     self.buckets = []
     b = min_bucket
     while b < max_seq_len:
@@ -240,10 +242,12 @@ class Engine:
   def _empty_paged(self):
     """One-row paged caches (target, draft) of the engine's pools, all blocks zero."""
     pg = self._paging
-    init = lambda cfg, **kw: kvc.PagedKVCache.init(cfg, 1, pg.num_blocks, pg.max_blocks,
-                                                   pg.block_size, **kw)
-    cache = init(self.config, layer_table=pg.layer_table)
-    dcache = None if self.draft is None else init(self.draft.config.layer, num_layers=1)
+    init = lambda cfg, sizes, **kw: kvc.PagedKVCache.init(cfg, 1, sizes, pg.max_blocks,
+                                                          pg.block_size, **kw)
+    cache = init(self.config, pg.pool_sizes, layer_table=pg.layer_table)
+    # The draft layer pages as a global layer: table 0 only.
+    dcache = (None if self.draft is None
+              else init(self.draft.config.layer, pg.pool_sizes[0], num_layers=1))
     return cache, dcache
 
   def _map_rows(self, fn, rows, *rest):

@@ -51,10 +51,14 @@ class PagedKV:
 
   def __init__(self, cfg, slots: int, capacity: int, *, block_size: int, num_blocks: int,
                advance: int, slack: int, lag: int, draft: bool, prefix_cache: bool = False,
-               worst_case: bool = True, chunk_local: bool = True, widths=()):
-    if block_size < 1 or num_blocks < 1:
+               worst_case: bool = True, chunk_local: bool = True, widths=(),
+               num_chunked_blocks: int | None = None):
+    if block_size < 1 or num_blocks < 1 or (num_chunked_blocks is not None
+                                            and num_chunked_blocks < 1):
       raise ValueError(f"a paged KV cache needs block_size >= 1 and num_blocks >= 1, got "
-                       f"block_size={block_size}, num_blocks={num_blocks}")
+                       f"block_size={block_size}, num_blocks={num_blocks}"
+                       + ("" if num_chunked_blocks is None
+                          else f", num_chunked_blocks={num_chunked_blocks}"))
     self.block_size, self.num_blocks = block_size, num_blocks
     self.max_blocks = -(-capacity // block_size)
     bad = [w for w in widths if not (isinstance(w, (int, np.integer)) and 1 <= w <= self.max_blocks)]
@@ -69,11 +73,21 @@ class PagedKV:
     # chunk_local=False pages them as global ones too (one pool, nothing released early).
     local = (chunk_local and chunk is not None and chunk % block_size == 0
              and any(cfg.is_chunked(i) for i in range(L)))
+    if num_chunked_blocks is not None and not local:
+      raise ValueError(
+          "num_chunked_blocks sizes the chunk-local layers' pool, but this engine has none "
+          f"(chunk_local={chunk_local}, attention_chunk_size={chunk}, block_size={block_size}: "
+          "chunk-local paging needs chunked layers and a chunk that is a whole number of "
+          "blocks): leave num_chunked_blocks unset")
     self.layer_table = tuple(int(local and cfg.is_chunked(i)) for i in range(L))
     pools = {blocks.GLOBAL: blocks.BlockPool(num_blocks, block_size)}
     if local:
-      pools[blocks.CHUNKED] = blocks.BlockPool(num_blocks, block_size)
+      # A request holds about a chunk of these at once (a whole prompt while it prefills), so
+      # this pool can be much smaller than the global one (plan_memory --serving sizes both).
+      pools[blocks.CHUNKED] = blocks.BlockPool(
+          num_blocks if num_chunked_blocks is None else num_chunked_blocks, block_size)
     self.names = list(pools)  # table index t of PagedKVCache = pool self.names[t]
+    self.pool_sizes = [pools[n].num_blocks for n in self.names]  # per table, for the device
     manager = blocks.BlockManager if prefix_cache else _NoPrefixManager
     self.mgr = manager(pools, chunk_size=chunk if local else None, draft=draft)
     self.prompt_tokens = self.cached_tokens = 0  # over admitted requests: the prefix hit rate
@@ -117,10 +131,12 @@ class PagedKV:
   def never_fits(self, prompt_len: int, max_tokens: int) -> str | None:
     """Why a request cannot run even on an idle engine, or None."""
     need = self.worst(prompt_len, max_tokens)
-    short = {n: b for n, b in need.items() if b > self.num_blocks}
-    if short:
-      return (f"the request needs up to {max(short.values())} KV blocks of {self.block_size} "
-              f"tokens but the pool has {self.num_blocks}: lower max_tokens or shorten the prompt")
+    for name, pool in self.mgr.pools.items():
+      if need[name] > pool.num_blocks:
+        flag = "num_blocks" if name == blocks.GLOBAL else "num_chunked_blocks"
+        return (f"the request needs up to {need[name]} KV blocks of {self.block_size} tokens "
+                f"but the {name} pool has {pool.num_blocks}: lower max_tokens, shorten the "
+                f"prompt or raise {flag}")
     return None
 
   def admit(self, slot: int, rid, prompt, max_tokens: int, private: bool = False) -> int:
