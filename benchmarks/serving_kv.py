@@ -15,7 +15,7 @@ a whole number of --block_size blocks. Budget = 8 rows of it (what the contiguou
     before the current chunk.
   Both paged engines also compile step programs over narrower block tables (--table_widths, in
   blocks) and run the narrowest that holds the running rows' blocks; every engine moves a long
-  request left alone in a high slot down (serving/compaction.py).
+  request left alone in a high slot down (serving/compaction.py; on by default on CPU only).
 The mix (`mix`): --requests requests, all queued at t=0, seed --seed: prompt lengths lognormal
 (median --prompt_median, sigma --sigma) rounded and clipped to [16, max_seq_len / 2], output
 lengths lognormal (median --output_median, sigma --sigma) clipped to [4, max_seq_len / 2] and to

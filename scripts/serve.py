@@ -86,6 +86,10 @@ _TABLE_WIDTHS = flags.DEFINE_list(
     "then attends over the longest running row, not --max_seq_len). More start-up compiles.")
 PAGED_FLAGS = ("num_blocks", "num_chunked_blocks", "block_size", "prefix_cache", "preemption", "chunk_local",
                "table_widths")
+_COMPACTION = flags.DEFINE_boolean(
+    "compaction", None, "Move a request left alone in a high slot down so a smaller batch program "
+    "runs it (maverick/serving/compaction.py). Default: on for the CPU backend, off on a GPU, "
+    "where it has not run yet.")
 _API_KEY = flags.DEFINE_string(
     "api_key", None, "Require 'Authorization: Bearer <key>' on every path but /health (401 with "
     "OpenAI's error body otherwise). Default: the MAVERICK_API_KEY environment variable, else none.")
@@ -199,7 +203,7 @@ def build_server():
   engine = Engine(loaded.model, draft, k=_SPEC_K.value, tree=tree, slots=_SLOTS.value,
                   max_seq_len=_MAX_SEQ_LEN.value or min(context, 2048), rounds=_ROUNDS.value,
                   stop_tokens=loaded.stop_tokens, min_bucket=_MIN_BUCKET.value,
-                  batch_buckets=_batch_buckets(), **kv_args())
+                  batch_buckets=_batch_buckets(), compaction=_COMPACTION.value, **kv_args())
   return Server(engine, loaded.tokenizer, _NAME.value or _CHECKPOINT.value,
                 max_request_bytes=_MAX_REQUEST_BYTES.value, api_key=_api_key(),
                 allowed_local_media_path=_MEDIA_PATH.value)

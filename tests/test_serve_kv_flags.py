@@ -52,7 +52,7 @@ def test_health_shows_the_paged_pools(tmp_path):
         [sys.executable, SERVE, f"--port={port}", "--spec_k=0", "--slots=2", "--max_seq_len=64",
          "--min_bucket=64", "--batch_buckets=2", "--rounds=2", "--kv_layout=paged",
          "--num_blocks=9", "--num_chunked_blocks=5", "--block_size=32", "--prefix_cache",
-         "--table_widths=1"],
+         "--table_widths=1", "--compaction"],
         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
   base = f"http://127.0.0.1:{port}"
   try:

@@ -11,6 +11,8 @@ test does not reliably catch its return (a reverted copy passed it once)."""
 
 import threading
 
+import jax
+import numpy as np
 import pytest
 
 import maverick
@@ -96,3 +98,20 @@ def test_table_widths_are_checked(model32):
   with pytest.raises(ValueError, match=r"table_widths must be block counts in \[1, 7\].*got \[9\]"):
     Engine(model32.model, slots=2, max_seq_len=96, kv_layout="paged", block_size=16,
            table_widths=(2, 9))
+
+
+def test_compaction_is_on_by_default_on_cpu_only_and_can_be_turned_off(model32, monkeypatch):
+  """Never run on a GPU yet, so Engine(compaction=None) turns it on for the CPU backend only; with
+  it off the loop's _compact moves nothing (the move program is stubbed: no compile)."""
+  lone = object()  # a request running alone in the top slot
+  for kw, want in (({}, [(7, 0)]), (dict(compaction=False), [])):
+    e = Engine(model32.model, slots=8, max_seq_len=96, batch_buckets=[1, 8], **kw)
+    moved = []
+    e._exes["move",] = lambda state, src, dst, moved=moved: moved.append((int(src), int(dst)))
+    e._owner[7] = lone
+    e._compact(np.zeros((8,), bool))
+    assert e.compaction == bool(want) and moved == want and e.moves == len(want)
+    assert e._owner[want[0][1] if want else 7] is lone
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert not Engine(model32.model, slots=2, max_seq_len=96).compaction
+  assert Engine(model32.model, slots=2, max_seq_len=96, compaction=True).compaction

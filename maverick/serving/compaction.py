@@ -12,6 +12,12 @@ from typing import Callable, Sequence
 import jax
 
 
+def enabled(requested: bool | None) -> bool:
+  """Engine(compaction=None): on where it has run and been tested, the CPU backend; off on a GPU,
+  where nothing has run it yet. A bool is taken as given."""
+  return jax.default_backend() == "cpu" if requested is None else bool(requested)
+
+
 def plan_moves(busy_owned: Sequence[bool], released: Sequence[bool],
                batch_bucket: Callable[[int], int]) -> list[tuple[int, int]]:
   """(src, dst) moves, in order, that bring the highest busy slot under the batch bucket of the

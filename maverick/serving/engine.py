@@ -48,7 +48,7 @@ from maverick import kv_cache as kvc
 from maverick import sampling
 from maverick import sharding
 from maverick.serving import blocks
-from maverick.serving import compaction
+from maverick.serving import compaction as compaction_lib
 from maverick.serving import images as images_lib
 from maverick.serving import paging
 from spec_decode import speculative as spec
@@ -124,7 +124,8 @@ class Engine:
   table_widths (paged): block-table widths (blocks per row) to compile step programs for besides
   the whole row; each call runs the narrowest that holds every block its rows reserved, so the
   XLA path gathers and attends over the longest running row, not max_seq_len (more programs to
-  compile: batch buckets x widths).
+  compile: batch buckets x widths). compaction: move a request left alone in a high slot down
+  (serving/compaction.py); None: on for the CPU backend, off on a GPU where it has not run yet.
   """
 
   def __init__(self, model, draft=None, *, k: int = 3, tree=None, slots: int = 8,
@@ -135,7 +136,8 @@ class Engine:
                max_logit_bias: int = sampling.MAX_LOGIT_BIAS, kv_layout: str = "contiguous",
                num_blocks: int | None = None, block_size: int = blocks.DEFAULT_BLOCK_SIZE,
                prefix_cache: bool = False, preemption: bool = False, chunk_local: bool = True,
-               table_widths: Sequence[int] = (), num_chunked_blocks: int | None = None):
+               table_widths: Sequence[int] = (), num_chunked_blocks: int | None = None,
+               compaction: bool | None = None):
     cfg = model.config
     if kv_layout not in ("contiguous", "paged"):
       raise ValueError(f"kv_layout must be 'contiguous' or 'paged', got {kv_layout!r}")
@@ -211,6 +213,7 @@ class Engine:
     self.released = 0  # slots freed by a cancellation (a client gone, a stop string)
     self.finished = 0  # requests that ran to a stop token or their limit
     self.peak_active = 0  # most requests running at once (benchmarks/serving_kv.py)
+    self.compaction = compaction_lib.enabled(compaction)
     self.moves = 0  # rows moved to a lower slot (serving/compaction.py)
     self.spec_rounds = self.spec_accepted = 0  # over finished requests: acceptance length
 
@@ -405,9 +408,10 @@ class Engine:
         self._exes[self._step_key(n, w)] = jax.jit(functools.partial(self._step, n=n),
                                                    donate_argnums=(1,)).lower(
             self._states, rows, release, None if w is None else tables[:, :, :w]).compile()
-    slot = jax.device_put(np.int32(0))
-    self._exes["move",] = jax.jit(functools.partial(compaction.move_row, self),
-                                  donate_argnums=(0,)).lower(rows, slot, slot).compile()
+    if self.compaction:
+      slot = jax.device_put(np.int32(0))
+      self._exes["move",] = jax.jit(functools.partial(compaction_lib.move_row, self),
+                                    donate_argnums=(0,)).lower(rows, slot, slot).compile()
     insert = jax.jit(self._insert, donate_argnums=(1,))
     for b in self.buckets:
       note(f"prefill bucket {b}")
@@ -634,8 +638,10 @@ class Engine:
         self._wake.clear()
 
   def _compact(self, release: np.ndarray) -> None:
+    if not self.compaction:
+      return
     owned = [h is not None for h in self._owner]
-    for src, dst in compaction.plan_moves(owned, release, self.batch_bucket):
+    for src, dst in compaction_lib.plan_moves(owned, release, self.batch_bucket):
       put = lambda b: jax.device_put(np.int32(b))
       self._slots_state = self._exes["move",](self._slots_state, put(src), put(dst))
       self._owner[dst], self._owner[src] = self._owner[src], None
