@@ -7,7 +7,6 @@ test_serving_paged.py)."""
 import os
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import pytest
 import maverick
 import spec_decode
 from maverick.serving import Engine, blocks
+from test_serving_engine import _wait_idle
 
 REQUESTS = 1000
 
@@ -70,10 +70,7 @@ def test_thousand_random_requests_with_cancellations_leave_every_block_free():
         end(i, "cancelled")
     assert all_ended.wait(float(os.environ.get("MAVERICK_CHURN_WAIT_S", 900))), (
         f"{REQUESTS - len(ended)} requests never ended")
-    deadline = time.monotonic() + 60
-    while (e.active or e._head is not None) and time.monotonic() < deadline:
-      time.sleep(0.05)
-    time.sleep(0.5)  # the last step's results
+    _wait_idle(e)
   finally:
     e.shutdown()
   assert e.error is None, e.error

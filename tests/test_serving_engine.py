@@ -2,6 +2,7 @@
 compared with maverick.generate / spec_decode.generate on the same prompts; every wait is bounded."""
 
 import threading
+import time
 
 import pytest
 
@@ -41,6 +42,15 @@ def _record_order(engine):
     return process(report, owners)
   engine._process = recorded
   return log
+
+
+def _wait_idle(engine, timeout_s=60):
+  """Waits (bounded) until no request runs or waits for KV blocks, then for the last step's
+  results to be read."""
+  deadline = time.monotonic() + timeout_s
+  while (engine.active or engine._head is not None) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from maverick.quant import config as quant_config
 from maverick.quant import convert
 from maverick.serving import Engine, blocks, paging
 from spec_decode.tree import TreeShape
-from test_serving_engine import WAIT_S, _assert_on_device, _run
+from test_serving_engine import WAIT_S, _assert_on_device, _run, _wait_idle
 
 BS = 32  # blocks per 128-token chunk: 4
 
@@ -189,10 +189,7 @@ def test_paged_engine_small_pool_random_cancellations_frees_every_block(loaded, 
           finish()
       handles[i] = e.submit(prompt, on_event, max_tokens=n)
     assert done.wait(WAIT_S) and e.error is None
-    deadline = time.monotonic() + 60
-    while (e.active or e._head is not None) and time.monotonic() < deadline:
-      time.sleep(0.05)
-    time.sleep(0.5)  # the last step's results
+    _wait_idle(e)
   finally:
     e.shutdown()
   assert [got[i] for i, r in enumerate(reqs) if not r[2]] == want

@@ -16,7 +16,6 @@ for every image: a request with images neither reuses nor publishes prefix block
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from maverick import generation as plain
 from maverick.vision import model as vision_lib
