@@ -28,6 +28,16 @@ and body is a command too, so:
         a `lax.cond`, but a branch that does not run still has to be convertible) and the MoE
         routing argsorts. Without CUB, XLA emits its own sort kernels (plain kernel commands);
         they are slower on long rows, which costs only sampled (top-k/top-p) decoding.
+  --xla_gpu_enable_dynamic_slice_fusion=false
+        XLA turns a slice that feeds a custom call into a kDynamicSliceFusion (the call reads the
+        sliced buffer in place), and that thunk is not converted into a command buffer (adding
+        +DYNAMIC_SLICE_FUSION or +CUSTOM_CALL to the types does not change it). With the kernels,
+        the fused all-reduce + norm call takes a static slice of the Pallas GEMM's row-padded
+        output, so generate's decode loop and the speculative loops were host-driven. Off, the
+        slice is an ordinary fusion that copies the rows (a decode step's [rows, D] activations).
+        Deviceless B200 compile of the Maverick FP8 TP8 shard, 2 layers, kernels: while loops in
+        command buffers / host-driven 10 / 1 -> 11 / 0 (generate), 18 / 3 -> 21 / 0 (spec
+        generate); the XLA path's programs had no kDynamicSliceFusion to begin with.
 
 Mosaic GPU kernels (our Pallas kernels) are `mosaic_gpu_v2` FFI custom calls whose handlers are
 registered with the command-buffer-compatible trait (jax-ml/jax jaxlib/mosaic/gpu/custom_call.cc),
@@ -63,6 +73,7 @@ LOOP_FLAGS: tuple[tuple[str, str], ...] = (
     ("xla_gpu_enable_command_buffer", "+WHILE,+CONDITIONAL,+COLLECTIVES"),
     ("xla_gpu_graph_min_graph_size", "1"),
     ("xla_gpu_enable_cub_radix_sort", "false"),
+    ("xla_gpu_enable_dynamic_slice_fusion", "false"),
 )
 _CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin",
                  "jax_cuda12_plugin")

@@ -87,10 +87,11 @@ def _environment(dump_dir: str) -> None:
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
   os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
   from maverick import gpu_flags
-  flags = [f"--{name}={value}" for name, value in gpu_flags.LOOP_FLAGS]
-  # Only the generate loops are dumped: the thunk sequences show where each while runs.
-  flags += [f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_module_re=.*generate.*"]
-  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + flags).strip()
+  # The loop flags as maverick.gpu_flags adds them on a GPU host (a flag already in XLA_FLAGS
+  # wins, e.g. --xla_gpu_enable_dynamic_slice_fusion=true to compile without ours). Only the
+  # generate loops are dumped: the thunk sequences show where each while runs.
+  dumps = f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*generate.*"
+  os.environ["XLA_FLAGS"] = f"{gpu_flags.merge(os.environ.get('XLA_FLAGS'))} {dumps}".strip()
 
 
 def target_config(description: str) -> str:

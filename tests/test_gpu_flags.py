@@ -11,7 +11,8 @@ from maverick import gpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+COLLECTIVES "
-        "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_cub_radix_sort=false")
+        "--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_cub_radix_sort=false "
+        "--xla_gpu_enable_dynamic_slice_fusion=false")
 
 
 def test_merge_appends_to_empty_and_to_other_flags():
@@ -23,11 +24,13 @@ def test_user_flag_wins():
   user = "--xla_gpu_enable_command_buffer= --xla_foo=1"  # the user turned command buffers off
   merged = gpu_flags.merge(user)
   assert merged == (f"{user} --xla_gpu_graph_min_graph_size=1 "
-                    "--xla_gpu_enable_cub_radix_sort=false")
+                    "--xla_gpu_enable_cub_radix_sort=false "
+                    "--xla_gpu_enable_dynamic_slice_fusion=false")
   assert merged.count("xla_gpu_enable_command_buffer") == 1
   assert gpu_flags.merge("--xla_gpu_graph_min_graph_size=7") == (
       "--xla_gpu_graph_min_graph_size=7 --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,"
-      "+COLLECTIVES --xla_gpu_enable_cub_radix_sort=false")
+      "+COLLECTIVES --xla_gpu_enable_cub_radix_sort=false "
+      "--xla_gpu_enable_dynamic_slice_fusion=false")
 
 
 def test_merge_is_idempotent():
@@ -45,7 +48,8 @@ def test_configure_rules(monkeypatch):
   assert gpu_flags.active_flags(env) == {"xla_gpu_enable_command_buffer":
                                          "+WHILE,+CONDITIONAL,+COLLECTIVES",
                                          "xla_gpu_graph_min_graph_size": "1",
-                                         "xla_gpu_enable_cub_radix_sort": "false"}
+                                         "xla_gpu_enable_cub_radix_sort": "false",
+                                         "xla_gpu_enable_dynamic_slice_fusion": "false"}
   for off in ("0", "off", "False"):
     env = {gpu_flags.ENV_SWITCH: off}
     assert gpu_flags.configure(env, force=True) == "disabled" and "XLA_FLAGS" not in env
@@ -100,3 +104,4 @@ def test_flags_parse_in_this_jaxlib():
   assert "xla_gpu_enable_command_buffer: FUSION" in out  # "+" kept XLA's defaults
   assert "xla_gpu_graph_min_graph_size: 1" in out
   assert "xla_gpu_enable_cub_radix_sort: false" in out
+  assert "xla_gpu_enable_dynamic_slice_fusion: false" in out
