@@ -237,6 +237,40 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
                                                 implementation="xla")
 
 
+def sharded_embed_norm(tokens, table, scale, weight, eps: float, kernels: str | None, plan,
+                       table_axes, dtype):
+  """The vocab-split embedding lookup as one more fused site: each device gathers its vocab
+  slice's rows (zero for a token another device holds) and `fused_allreduce_norm` sums them with
+  a zero residual (exact: one nonzero term per element), giving (rows [B, T, D] in `dtype`, their
+  RMSNorm by `weight`): the first layer's input norm, or the draft's embedding norm. Without it
+  GSPMD partitions the gather with an all-reduce of its own. `scale` [V]: an FP8 table's row
+  scales. None when the layout does not split the vocab alone (nothing to fuse)."""
+  t_spec = plan.spec(table_axes)
+  vocab = _mesh_axes(t_spec[0])
+  if not vocab or _mesh_axes(t_spec[1]):
+    return None
+  rows = _rows(plan, tokens.shape[0], vocab)
+  out_spec = P(rows, *([None] * tokens.ndim))
+  fuse = Fuse(None, None, eps, kernels)
+
+  def body(tok, w, s, nw):
+    n = w.shape[0]
+    local = tok - jax.lax.axis_index(vocab) * n
+    mine = (local >= 0) & (local < n)
+    at = jnp.clip(local, 0, n - 1)
+    part = jnp.take(w, at, axis=0)
+    if s is not None:
+      part = part.astype(jnp.float32) * jnp.take(s, at, axis=0)[..., None]
+    part = jnp.where(mine[..., None], part.astype(dtype), jnp.zeros((), dtype))
+    return fused_allreduce_norm(part, jnp.zeros_like(part), nw, fuse, vocab, plan.mesh)
+
+  with selfcheck.on_mesh(plan.mesh):
+    return jax.shard_map(body, mesh=plan.mesh,
+                         in_specs=(P(rows), t_spec, P(t_spec[0]), P(None)),
+                         out_specs=(out_spec, out_spec), check_vma=False)(
+                             tokens, table, scale, weight)
+
+
 def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, plan, w_axes,
                     fuse=None, xla=None):
   """`linear` per shard: w split as the plan places it (its logical axes), x's contracted axes

@@ -598,6 +598,21 @@ class Llama4(nnx.Module):
     scale = jnp.take(self.embed_scale[...], tokens_bt, axis=0)[..., None]
     return (rows.astype(jnp.float32) * scale).astype(self.config.dtype)
 
+  def embed_normed(self, tokens_bt):
+    """(embedding rows, the first layer's input norm of them) from the fused site on a sharded
+    model's kernel path (maverick.kernels.sharded_embed_norm: no all-reduce of GSPMD's own);
+    elsewhere (rows, None), and the layer norms them."""
+    plan = sharding_plan.plan_of(self)
+    if kernels_lib.fuses_residual_norm(plan, self.kernels):
+      norm = self.layers[0].input_norm
+      out = kernels_lib.sharded_embed_norm(
+          tokens_bt, self.embed[...], _value(self.embed_scale), norm.weight[...], norm.eps,
+          self.kernels, plan, self.embed.get_metadata()["logical_axes"],
+          jnp.dtype(self.config.dtype))
+      if out is not None:
+        return out
+    return self.embed_tokens(tokens_bt), None
+
   def output_projection(self) -> jax.Array:
     """The [D, V] output projection in the model dtype, dequantized if FP8 (stored [V, D])."""
     w, scale = ((self.embed, self.embed_scale) if self.config.tie_word_embeddings
@@ -644,8 +659,8 @@ class Llama4(nnx.Module):
     if any(not 0 <= i < L for i in capture):
       raise ValueError(f"capture_layers {capture} outside 0..{L - 1}")
 
-    x = self.embed_tokens(tokens_bt) if input_embeds is None else input_embeds
-    h = None  # the next layer's normed input, when a fused site produced it with the residual
+    # h: the next layer's normed input, when a fused site produced it with the residual
+    x, h = self.embed_normed(tokens_bt) if input_embeds is None else (input_embeds, None)
     captured = {}
     new_k, new_v, new_scales = [], [], []
     for i, layer in enumerate(self.layers):

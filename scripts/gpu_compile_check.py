@@ -197,6 +197,22 @@ def whole_buffer_moves(hlo_text: str, dims: tuple[int, ...], dtypes: tuple[str, 
   return moves
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def xla_collectives(hlo_text: str) -> dict[str, list[str]]:
+  """XLA's own collective instructions in a compiled HLO module: kind -> their result shapes (an
+  async pair counts once, at its -start). A Mosaic kernel's NVLink reduce is inside its custom
+  call, not here."""
+  found = {k: [] for k in COLLECTIVES}
+  for line in hlo_text.splitlines():
+    m = re.match(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?[\}\]\)]) ([a-z][a-z0-9\-]*)\(", line)
+    op = m.group(2).removesuffix("-start") if m else None
+    if op in found:
+      found[op].append(re.sub(r"\{[\d,]*\}", "", m.group(1)))
+  return found
+
+
 def mosaic_kernels(hlo_text: str) -> int:
   return len(re.findall(r'custom_call_target="mosaic_gpu', hlo_text))
 
@@ -411,6 +427,7 @@ def decode_check(args, gpu: str, dump_dir: str) -> list[dict]:
       mem = compiled.memory_analysis()
       row.update(compile_s=round(seconds, 1), lowering_s=round(lowered_s, 1), kv_shard=list(shard), whole_kv_moves=len(moves),
                  moves_sample=moves[:4], mosaic_kernels=mosaic_kernels(text),
+                 xla_collectives={k: v for k, v in xla_collectives(text).items() if v},
                  xla_temp_GB=mem.temp_size_in_bytes / 1e9,
                  xla_argument_GB=mem.argument_size_in_bytes / 1e9,
                  xla_alias_GB=mem.alias_size_in_bytes / 1e9, **ptxas_summary(fds[0]),
@@ -525,22 +542,28 @@ def plan_memory_cpu(args) -> str:
   return (proc.stdout or proc.stderr).strip()
 
 
+def _collectives_cell(row: dict) -> str:
+  if "xla_collectives" not in row:
+    return "-"
+  return ", ".join(f"{len(shapes)} {k}" for k, shapes in row["xla_collectives"].items()) or "none"
+
+
 def report(rows: list[dict], plan_text: str, argv) -> str:
   lines = ["# GPU programs compiled without a GPU", "",
            f"`python scripts/gpu_compile_check.py {' '.join(argv)}`", "",
            "| gpu | program | kernels | compile s (of which lowering) | whole-KV copies/transposes | Mosaic kernels | "
-           "ptxas kernels / max regs / spill bytes | XLA temp GB | while in command buffer | "
-           "host-driven while | host transfers | status |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "XLA collectives | ptxas kernels / max regs / spill bytes | XLA temp GB | "
+           "while in command buffer | host-driven while | host transfers | status |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     ptx = (f"{r['ptxas_kernels']} / {r['max_registers']} / {r['spill_store_bytes']}"
            if "max_registers" in r else "-")
     lines.append(
         f"| {r['gpu']} | {r['program']} | {r.get('kernels', '-')} | {r.get('compile_s', '-')} "
-        f"({r.get('lowering_s', '-')}) | {r.get('whole_kv_moves', '-')} | {r.get('mosaic_kernels', '-')} | {ptx} | "
-        f"{r['xla_temp_GB']:.2f} |" if "xla_temp_GB" in r else
+        f"({r.get('lowering_s', '-')}) | {r.get('whole_kv_moves', '-')} | {r.get('mosaic_kernels', '-')} | "
+        f"{_collectives_cell(r)} | {ptx} | {r['xla_temp_GB']:.2f} |" if "xla_temp_GB" in r else
         f"| {r['gpu']} | {r['program']} | {r.get('kernels', '-')} | {r.get('compile_s', '-')} | "
-        f"- | - | {ptx} | - |")
+        f"- | - | - | {ptx} | - |")
     lines[-1] += (f" {r.get('while_in_command_buffer', '-')} | {r.get('while_host_driven', '-')} | "
                   f"{r.get('host_transfers', '-')} | {str(r['status'])[:120]} |")
   spilling = [f"- {r['gpu']}: {c}" for r in rows for c in r.get("spilling", [])]

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maverick import config as config_lib
+from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
+from maverick import sharding_plan
 from maverick.config import Config
 from maverick.model import DecoderLayer, RMSNorm, token_positions, weight
 
@@ -155,22 +157,38 @@ class Eagle3Draft(nnx.Module):
     T = tokens_bt.shape[1]
     positions_bt, from_zero = token_positions(tokens_bt, positions_bt, cache, prefill, tree)
     g = hidden_btd.astype(self.fc.dtype)
-    e = jnp.take(embed_vd, tokens_bt, axis=0).astype(g.dtype)
     g_normed = self.hidden_norm(g)
-    attn_in = jnp.concatenate([self.embed_norm(e), g_normed], axis=-1)
+    attn_in = jnp.concatenate([self._embed_normed(tokens_bt, embed_vd, g.dtype), g_normed],
+                              axis=-1)
     residual = g_normed if self.config.norm_before_residual else g
     layer_cache = None if cache is None else cache.layer(0)
     lengths = None if cache is None else cache.lengths
-    out, layer_cache = self.layer(residual, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
-                                  positions_from_zero=from_zero, attn_input=attn_in,
-                                  attention_fn=attention_fn, tree=tree,
-                                  block_table=None if cache is None else cache.table(0))
+    # normed: final_norm(out) when the layer's last site fused it (sharded kernel path)
+    out, layer_cache, normed = self.layer(
+        residual, positions_bt, layer_cache, lengths, attend_to_cache=not prefill,
+        positions_from_zero=from_zero, attn_input=attn_in, attention_fn=attention_fn, tree=tree,
+        next_norm=self.final_norm, block_table=None if cache is None else cache.table(0))
     new_cache = None if cache is None else cache.replaced(
         (layer_cache[0],), (layer_cache[1],), (layer_cache[2:],), cache.lengths + T)
+    normed = self.final_norm(out) if normed is None else normed
     if logits_at is not None:
-      out = jnp.take_along_axis(out, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-    logits = jnp.einsum("...d,dv->...v", self.final_norm(out), self.lm_head[...])
+      at = lambda a: jnp.take_along_axis(a, logits_at[:, None, None].astype(jnp.int32), axis=1)
+      out, normed = at(out)[:, 0], at(normed)[:, 0]
+    logits = jnp.einsum("...d,dv->...v", normed, self.lm_head[...])
     return DraftOutput(logits=logits, hidden=out, cache=new_cache)
+
+  def _embed_normed(self, tokens_bt, embed_vd, dtype):
+    """embed_norm(embedding rows); on a sharded kernel path the target's vocab-split table is
+    read through the fused all-reduce + norm site, as the target's own lookup is."""
+    attn = self.layer.attn
+    plan = sharding_plan.plan_of(attn)
+    if kernels_lib.fuses_residual_norm(plan, attn.kernels):
+      out = kernels_lib.sharded_embed_norm(
+          tokens_bt, embed_vd, None, self.embed_norm.weight[...], self.embed_norm.eps,
+          attn.kernels, plan, ("vocab", "embed"), dtype)
+      if out is not None:
+        return out[1]
+    return self.embed_norm(jnp.take(embed_vd, tokens_bt, axis=0).astype(dtype))
 
   def target_ids(self, draft_ids):
     return draft_ids + self.d2t[...][draft_ids]

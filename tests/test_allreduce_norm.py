@@ -176,8 +176,9 @@ def test_tp8_decode_step_has_one_fused_kernel_per_site_and_no_all_reduce(arch):
   kernels_lib.set_kernels(model, None)
   fn, args = _decode_step(model)
   hlo = pallas_kernels.lower_for_gpu(lambda *a: fn(*a), *args, arch=arch)
-  # GEMMs, grouped, attention, fused; kernels counted at their call sites (common.lowered_once)
-  assert common.mosaic_call_sites(hlo) == 7 * L + 1 + 2 + L + 2 * L
+  # GEMMs, grouped, attention, fused (2 per layer + the embedding lookup); kernels counted at
+  # their call sites (common.lowered_once)
+  assert common.mosaic_call_sites(hlo) == 7 * L + 1 + 2 + L + 2 * L + 1
   assert '"stablehlo.all_reduce"(' not in hlo
 
 
@@ -203,7 +204,103 @@ def test_tp8_fused_path_matches_sharded_xla(reference_kernels):
     assert rel < 2e-2 and np.mean(o.argmax(-1) == r.argmax(-1)) >= 0.95, rel
   fused = [(shapes, impl) for name, shapes, _, impl in reference_kernels
            if name == "allreduce_residual_norm"]
-  # Prefill (B x T rows) and decode (B x 1): o (3-D [B, T, D]) and FFN (MoE: [B * T, D]).
-  assert len(fused) == 2 * 2 * L, len(fused)
+  # Prefill (B x T rows) and decode (B x 1): o (3-D [B, T, D]), FFN (MoE: [B * T, D]) and the
+  # embedding lookup.
+  assert len(fused) == 2 * (2 * L + 1), len(fused)
   assert {impl for _, impl in fused} == {"pallas"}
   assert {s[0][-1] for s, _ in fused} == {D}
+
+
+def _all_reduces(compiled_hlo: str) -> int:
+  return sum(line.count(" all-reduce(") + line.count(" all-reduce-start(")
+             for line in compiled_hlo.splitlines())
+
+
+@pytest.mark.slow
+def test_tp8_decode_step_compiled_has_no_all_reduce_besides_the_fused_sites(reference_kernels):
+  """Compiled (CPU, the fused entries swapped for their psum references): every all-reduce of the
+  decode step is one of the fused sites' (2 per layer + the embedding lookup), so on the GPU,
+  where each site is one kernel, none is left. GSPMD's own all-reduce of the vocab-split lookup
+  is what this catches (lowered StableHLO does not show it: the partitioner adds it later)."""
+  model = _fused_model()
+  L = model.config.num_hidden_layers
+  with pallas_kernels.interpret():
+    kernels_lib.set_kernels(model, "pallas")
+    fn, args = _decode_step(model)
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+  fused = [s for name, s, _, impl in reference_kernels if name == "allreduce_residual_norm"]
+  assert _all_reduces(hlo) == len(fused), (_all_reduces(hlo), len(fused))
+  assert len(fused) == 2 * L + 1
+
+
+@pytest.mark.slow
+def test_tp8_draft_embedding_lookup_fuses_and_matches_xla(reference_kernels):
+  """The EAGLE-3 draft's three all-reduce sites fuse: the lookup in the target's vocab-split
+  table (+ its embedding norm), o (+ post-attention norm) and the MLP's down (+ final norm).
+  Logits equal the sharded XLA path's; each site ran as the kernel; compiled, the draft step has
+  no other all-reduce."""
+  from spec_decode import draft as draft_lib
+  target = _fused_model()
+  plan = sharding.plan_of(target)
+  dcfg = draft_lib.Eagle3Config.for_target(target.config)
+  draft = draft_lib.init_draft(dcfg, seed=1)
+  draft.embed_norm.weight[...] = jnp.asarray(
+      np.random.default_rng(3).uniform(0.5, 1.5, draft.embed_norm.weight.shape), BF16)
+  draft = sharding.shard_model(draft, plan.mesh, "tp")
+  rng = np.random.default_rng(4)
+  D, T = target.config.hidden_size, 5
+  tokens = jnp.asarray(rng.integers(0, target.config.vocab_size, (B, T)), jnp.int32)
+  hidden = _bf16(rng, B, T, D)
+
+  def logits(kernels):  # (logits, the compiled program's HLO)
+    kernels_lib.set_kernels(draft, kernels)
+    graphdef, state = nnx.split(draft)
+    args = (state, tokens, hidden, target.embed[...])
+    run = jax.jit(lambda state, t, h, e: nnx.merge(graphdef, state)(t, h, e).logits)
+    compiled = run.lower(*args).compile()
+    return np.asarray(compiled(*args), np.float64), compiled.as_text()
+
+  ref, _ = logits("xla")
+  assert not reference_kernels
+  with pallas_kernels.interpret():
+    out, hlo = logits("pallas")
+  rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  assert rel < 2e-2 and np.mean(out.argmax(-1) == ref.argmax(-1)) >= 0.95, rel
+  fused = [(s[0], impl) for name, s, _, impl in reference_kernels
+           if name == "allreduce_residual_norm"]
+  assert fused == [((B, T, D), "pallas")] * 3, fused
+  assert _all_reduces(hlo) == 3, _all_reduces(hlo)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sharded_embedding_lookup_site_matches_numpy(reference_kernels, fp8):
+  """The lookup site alone (TP8, vocab 512 split 8 ways, tokens from every slice and both ends):
+  rows exact against NumPy's table[tokens] (times the row scale of an FP8 table), their norm
+  within bf16 rounding, through the kernel entry."""
+  from maverick import sharding_plan
+  from maverick.quant import ops as quant_ops
+  mesh = sharding.make_mesh(tensor=8)
+  plan = sharding_plan.Plan(mesh, "tp")
+  rng = np.random.default_rng(5)
+  V, D = 512, 256
+  table = _bf16(rng, V, D)
+  scale = None
+  if fp8:
+    table, scale = quant_ops.quantize_weight(table, (1,))
+  tokens = np.concatenate([[0, V - 1, 63, 64], rng.integers(0, V, 12)]).reshape(2, 8)
+  weight = jnp.asarray(rng.uniform(0.5, 1.5, D), BF16)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  with pallas_kernels.interpret():
+    rows, normed = jax.jit(lambda t, w, s, nw: kernels_lib.sharded_embed_norm(
+        t, w, s, nw, EPS, "pallas", plan, ("vocab", "embed"), BF16))(
+            jnp.asarray(tokens, jnp.int32), put(table, P("tensor")),
+            None if scale is None else put(scale, P("tensor")), weight)
+  want = np.asarray(table, np.float32)[tokens]
+  if fp8:  # the f32 product, as the model's dequantized lookup
+    want = want * np.asarray(scale, np.float32)[tokens][..., None]
+  want = np.asarray(jnp.asarray(want, BF16), np.float64)
+  np.testing.assert_array_equal(np.asarray(rows, np.float64), want)
+  _, ref_normed = _numpy_residual_norm(want, np.zeros_like(want), weight, EPS)
+  _close(normed, ref_normed)
+  assert [impl for name, *_, impl in reference_kernels
+          if name == "allreduce_residual_norm"] == ["pallas"]

@@ -52,6 +52,29 @@ def test_whole_kv_moves_are_copies_or_transposes_of_a_whole_shard():
   assert g.whole_buffer_moves(HLO, (8, 4096, 1, 128), ("f8e4m3fn",)) == []
 
 
+def test_xla_collectives_are_counted_by_kind():
+  g = _load()
+  hlo = """
+ENTRY %main {
+  %all-reduce-start.3 = bf16[8,5120]{1,0} all-reduce-start(%add.1), channel_id=4, replica_groups=[1,8]<=[8], to_apply=%add
+  %all-reduce-done.3 = bf16[8,5120]{1,0} all-reduce-done(%all-reduce-start.3)
+  %ar.1 = f32[] all-reduce(%c), channel_id=5, to_apply=%add
+  ROOT %ag = (f32[8,64]{1,0}, f32[8,512]{1,0}) all-gather-start(%x), dimensions={1}
+  %custom-call.7 = (bf16[8,5120]{1,0}, bf16[8,5120]{1,0}) custom-call(%p, %r, %w), custom_call_target="mosaic_gpu_v2"
+  %fusion.2 = bf16[8,5120]{1,0} fusion(%all-reduce-done.3), kind=kLoop, calls=%fused_all_reduce_like
+}
+"""
+  found = g.xla_collectives(hlo)
+  assert found == {"all-reduce": ["bf16[8,5120]", "f32[]"],
+                   "all-gather": ["(f32[8,64], f32[8,512])"], "reduce-scatter": [],
+                   "all-to-all": [], "collective-permute": []}, found
+  row = {"gpu": "h200", "program": "step", "kernels": "pallas", "xla_temp_GB": 1.0,
+         "xla_collectives": {}, "status": "ok"}
+  assert "| none |" in g.report([row], "", [])
+  row["xla_collectives"] = {"all-reduce": ["bf16[8,5120]"]}
+  assert "| 1 all-reduce |" in g.report([row], "", [])
+
+
 THUNKS_ON = """000: kCommandBuffer [source | sink]
     001: kCopy  [source       | next=003 (2)] kCopy
     003: kWhile [prev=002 (1) | sink        ]

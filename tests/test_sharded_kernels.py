@@ -174,22 +174,25 @@ def test_tp8_lowering_has_kernels_inside_shard_map(arch, what):
   for line in main.splitlines():
     if line.startswith("    %") and ("mosaic_gpu_v2" in line or any(c in line for c in kernel_calls)):
       raise AssertionError(f"a kernel outside shard_map: {line[:200]}")
-  assert main.count("sdy.manual_computation(") == GEMMS - 3 + 2 + 1  # shared expert: in the MoE
+  # (+ 1: the embedding lookup's fused site)
+  assert main.count("sdy.manual_computation(") == GEMMS - 3 + 2 + 1 + 1  # shared expert: in the MoE
   # Local shapes: one head of 64 per device (q / KV cache), the expert width 512 / 8.
   rows = f"{B}x1" if what == "decode" else f"{B}x{T}"
   assert f"tensor<{rows}x1x64xbf16>" in main
   if what == "decode":
     assert f"tensor<{B}x{CAPACITY}x1x64xbf16>" in main
   assert "tensor<8x128x64xbf16>" in main  # the gate/up experts' local shard
-  # The shard_map'd program's own all-reduces: o and MLP down (layer 0), o and MoE (layer 1).
-  assert hlo.count('"stablehlo.all_reduce"(') == 2 * model.config.num_hidden_layers
+  # The shard_map'd program's own all-reduces: o and MLP down (layer 0), o and MoE (layer 1), and
+  # the embedding lookup (D = 128: below the fused kernel's 256, each site is psum + norm).
+  assert hlo.count('"stablehlo.all_reduce"(') == 2 * model.config.num_hidden_layers + 1
 
 
 def test_tp8_xla_path_unchanged_and_kernel_path_collectives(reference_kernels):
   """kernels="xla" (and auto on CPU, where no kernel runs) lowers to the same program as before
   this feature: no kernel, one shard_map (the MoE), GSPMD's 2 all-reduces per layer + 1 (the
   vocab-sharded embedding lookup) after compiling. The kernel path (reference kernels under the
-  same shard_maps) compiles to exactly the same all-reduces: 2 per layer + 1, each B x D."""
+  same shard_maps, and the lookup's own shard_map) compiles to exactly the same all-reduces: 2
+  per layer + 1, each B x D."""
   model = _sharded("tp", dict(tensor=8))
   L, D = model.config.num_hidden_layers, model.config.hidden_size
 
@@ -204,7 +207,7 @@ def test_tp8_xla_path_unchanged_and_kernel_path_collectives(reference_kernels):
   assert re.sub(r"@jit_\w+", "", lowered(None).as_text()) == re.sub(r"@jit_\w+", "", xla_text)
   with pallas_kernels.interpret():
     kernel = lowered("pallas")
-  assert kernel.as_text().count("sdy.manual_computation(") == GEMMS - 3 + 2 + 1
+  assert kernel.as_text().count("sdy.manual_computation(") == GEMMS - 3 + 2 + 1 + 1
   for program in (xla, kernel):
     found = collectives(program.compile().as_text())
     assert len(found["all-reduce"]) == 2 * L + 1, "\n".join(found["all-reduce"])
