@@ -170,10 +170,10 @@ class Eagle3Draft(nnx.Module):
         next_norm=self.final_norm, block_table=None if cache is None else cache.table(0))
     new_cache = None if cache is None else cache.replaced(
         (layer_cache[0],), (layer_cache[1],), (layer_cache[2:],), cache.lengths + T)
-    normed = self.final_norm(out) if normed is None else normed
     if logits_at is not None:
       at = lambda a: jnp.take_along_axis(a, logits_at[:, None, None].astype(jnp.int32), axis=1)
-      out, normed = at(out)[:, 0], at(normed)[:, 0]
+      out, normed = at(out)[:, 0], None if normed is None else at(normed)[:, 0]
+    normed = self.final_norm(out) if normed is None else normed
     logits = jnp.einsum("...d,dv->...v", normed, self.lm_head[...])
     return DraftOutput(logits=logits, hidden=out, cache=new_cache)
 
