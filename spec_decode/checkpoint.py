@@ -269,6 +269,9 @@ def eagle3_config_from_hf(raw: Mapping[str, Any], target_config: Config, *,
             and all(isinstance(i, int) and not isinstance(i, bool) for i in aux)):
     raise DraftConfigError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of "
                            f"integers, got {aux!r}")
+  elif len(set(aux)) != len(aux):
+    raise DraftConfigError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} repeats a layer: "
+                           "EAGLE-3 fuses 3 distinct target layers; fix the draft's config.json")
   if dtype is None:
     dtype = get("torch_dtype", get("dtype"))
     dtype = dtype if dtype in config_lib.DTYPES else target_config.dtype

@@ -36,9 +36,16 @@ class Buffer(nnx.Variable):
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
-  """(1, N//2 - 1, N - 4): outputs of a low, a middle and a high layer (output-of-layer ids)."""
+  """(1, N//2 - 1, N - 4): outputs of a low, a middle and a high layer (output-of-layer ids);
+  (0, N//2, N - 1) for targets too shallow for those to be distinct."""
   n = num_target_layers
-  return (min(1, n - 1), max(0, n // 2 - 1), max(0, n - 4))
+  if n < 3:
+    raise DraftConfigError(f"EAGLE-3 fuses the outputs of 3 distinct target layers; the target has "
+                           f"{n}")
+  low, mid, high = 1, n // 2 - 1, n - 4
+  if not low < mid < high:  # a shallow target (< 7 layers): first, middle and last instead
+    low, mid, high = 0, n // 2, n - 1
+  return (low, mid, high)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +70,11 @@ class Eagle3Config:
     if len(self.aux_layer_ids) != 3:
       raise DraftConfigError(f"EAGLE-3 fuses 3 target layers, got aux_layer_ids "
                              f"{self.aux_layer_ids}")
-    object.__setattr__(self, "aux_layer_ids", tuple(sorted(int(i) for i in self.aux_layer_ids)))
+    ids = tuple(sorted(int(i) for i in self.aux_layer_ids))
+    if len(set(ids)) != len(ids):  # fc would weigh one layer's features twice: a malformed config
+      raise DraftConfigError(f"aux_layer_ids {list(self.aux_layer_ids)} repeat a layer: EAGLE-3 "
+                             "fuses 3 distinct target layers (output-of-layer ids)")
+    object.__setattr__(self, "aux_layer_ids", ids)
 
   @property
   def hidden_size(self) -> int:

@@ -348,6 +348,9 @@ _BAD = {
                "draft_vocab_size 200 < vocab_size 512 but the checkpoint has no d2t"),
     "aux ids": (lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 3, 8]),
                 None, DraftConfigError, r"aux layer ids \[1, 3, 8\] are outside"),
+    "aux ids repeated": (lambda c: c["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=[1, 1, 3]), None, DraftConfigError,
+                         r"eagle_aux_hidden_state_layer_ids \[1, 1, 3\] repeats a layer"),
     "aux ids not ints": (lambda c: c["eagle_config"].update(
         eagle_aux_hidden_state_layer_ids="1,2,3"), None, DraftConfigError,
                          "must be a list of integers"),

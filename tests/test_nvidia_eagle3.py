@@ -254,6 +254,28 @@ def test_eagle3_config_sorts_aux_ids(target_cfg):
   assert Eagle3Config.from_dict(d).aux_layer_ids == (1, 3, 4)
 
 
+def test_repeated_aux_ids_are_refused_naming_the_field(target_cfg):
+  """A repeated id would make fc weigh one layer's features twice: refused however it is built."""
+  with pytest.raises(DraftConfigError, match=r"aux_layer_ids \[1, 1, 3\] repeat a layer"):
+    Eagle3Config.for_target(target_cfg, aux_layer_ids=(1, 1, 3))
+  d = Eagle3Config.for_target(target_cfg).to_dict()
+  d["aux_layer_ids"] = [3, 1, 3]
+  with pytest.raises(DraftConfigError, match=r"aux_layer_ids \[3, 1, 3\] repeat a layer"):
+    Eagle3Config.from_dict(d)
+
+
+@pytest.mark.parametrize("n,want", [(3, (0, 1, 2)), (4, (0, 2, 3)), (6, (0, 3, 5)),
+                                    (7, (1, 2, 3)), (8, (1, 3, 4)), (48, (1, 23, 44))])
+def test_default_aux_layers_are_three_distinct_layers(n, want):
+  """Shallow targets (test models, small trained ones) still get 3 distinct layers by default."""
+  assert default_aux_layers(n) == want
+
+
+def test_default_aux_layers_refuse_a_target_under_three_layers():
+  with pytest.raises(DraftConfigError, match="3 distinct target layers; the target has 2"):
+    default_aux_layers(2)
+
+
 # ----------------------------------------------------------------------------------------------
 # Refusals
 # ----------------------------------------------------------------------------------------------
