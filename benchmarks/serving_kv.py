@@ -103,9 +103,14 @@ def text_tokens(loaded, n: int) -> np.ndarray:
 
 
 def extend_context(model, n: int) -> None:
-  """Lets the engine take rows of n positions on a model trained on fewer (module docstring)."""
+  """Lets the engine take rows of n positions on a model trained on fewer (module docstring): the
+  target, or an EAGLE-3 draft (whose decoder layer's config holds the context)."""
   cfg = model.config
-  if n > cfg.max_position_embeddings:
+  if hasattr(cfg, "layer"):  # Eagle3Config
+    if n > cfg.layer.max_position_embeddings:
+      model.config = dataclasses.replace(
+          cfg, layer=cfg.layer.replace(max_position_embeddings=n))
+  elif n > cfg.max_position_embeddings:
     model.config = cfg.replace(max_position_embeddings=n)
 
 

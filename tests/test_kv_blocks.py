@@ -209,12 +209,52 @@ def test_prefix_hit_shares_full_blocks_and_recomputes_the_last_token():
   assert mgr.admit("e", [7, 7, 7, 7] + doc[4:13]) == 0
 
 
-def test_prefix_hit_with_a_draft_drops_the_last_matching_block():
-  """The draft's K/V at p uses the token at p + 1: a reused block needs the next one to match."""
+def test_prefix_hit_with_a_draft_needs_the_token_after_each_block():
+  """The draft's K/V at p are made from the token at p + 1: a cached block is a hit only where the
+  token after it (final once committed past the block) is the new prompt's too."""
   mgr = _manager(draft=True)
   doc = list(range(200, 230))
-  _admit(mgr, Device(mgr), "a", doc[:13])
-  assert mgr.admit("b", doc[:20]) == 8  # 3 blocks match, the third only vouches for the second
+  _admit(mgr, Device(mgr), "a", doc[:13])  # blocks 0-2 cached; their next tokens 204, 208, 212
+  assert mgr.admit("b", doc[:20]) == 12  # all 3 blocks: the shared part goes on past them
+  assert mgr.admit("c", doc[:12] + [999, 5, 6]) == 8  # block 2 was followed by 212, not 999
+  # A block whose next token was not committed yet is no hit until it is.
+  mgr = _manager(draft=True)
+  _admit(mgr, Device(mgr), "a", doc[:12])  # block 2 cached, nothing after it committed
+  assert len(mgr.prefix_hit(doc[:20])) == 2
+  mgr.reserve("a", 1)
+  mgr.commit("a", [doc[12]])
+  assert len(mgr.prefix_hit(doc[:20])) == 3
+  assert len(mgr.prefix_hit(doc[:12] + [999, 5])) == 2
+
+
+def test_an_evicted_block_forgets_its_next_token():
+  """A cached block taken back for another prompt is recorded anew with that prompt's next token."""
+  mgr = B.BlockManager({B.GLOBAL: B.BlockPool(2, BS)}, draft=True)
+  dev = Device(mgr)
+  _admit(mgr, dev, "a", [1, 2, 3, 4, 5, 6])  # block 0 cached (next token 5), block 1 partial
+  pool = mgr.pools[B.GLOBAL]
+  root = mgr.table("a")[0]
+  mgr.release("a")
+  assert _admit(mgr, dev, "h", [30, 31]) == 0  # holds the free block: a's cached one is next
+  c = [9, 9, 9, 9]
+  assert _admit(mgr, dev, "c", c) == 0 and mgr.table("c")[0] == root  # evicted, reused
+  mgr.release("h")
+  mgr.reserve("c", 2)
+  mgr.commit("c", [7, 8])  # c's block 0 is cached, and its next token 7 final
+  assert pool.next_token[root] == 7 and len(mgr.prefix_hit(c + [7, 8])) == 1
+
+
+def test_prefix_hit_with_a_draft_checks_interior_blocks_too():
+  """A request that recomputed a block another request caches (different next token) caches the
+  blocks after it: a later prompt matching those must not take the other request's block, whose
+  draft K/V at its last position were made from another token."""
+  mgr = _manager(draft=True)
+  dev = Device(mgr)
+  x = [1, 2, 3, 4]
+  _admit(mgr, dev, "a", x + [50, 51, 52])  # block 0 cached, next token 50
+  b = x + [60, 61, 62, 63, 64, 65]
+  assert _admit(mgr, dev, "b", b) == 0  # 60 != 50: block 0 recomputed; its block 1 is cached
+  assert mgr.prefix_hit(b + [70]) == []  # the old rule took a's block 0 here (one block short)
 
 
 def test_cached_blocks_survive_release_until_evicted_lru_first():

@@ -64,6 +64,24 @@ def test_a_tiny_run_measures_every_layout_and_both_prefix_modes(bench, tmp_path)
   assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+def test_a_speculative_run_on_rows_past_the_models_context(bench, tmp_path):
+  """--spec_k 3 with rows longer than the embedded model's 512 positions: the draft's context is
+  extended with the target's (it used to fail on the draft's config), every layout serves it."""
+  s = bench.Setup(parts=("capacity",), spec_k=(3,), capacity=576, block_size=64, paged_slots=2,
+                  requests=3, rounds=2, min_bucket=128, out_dir=str(tmp_path),
+                  batch_buckets=lambda slots: [slots], table_widths=())
+  res = bench.run(s)
+  rows = res["capacity"]
+  assert [(r["spec_k"], r["layout"]) for r in rows] == [
+      (3, "contiguous"), (3, "paged"), (3, "paged + chunk-local")]
+  lengths = bench.mix(3, 575, 0, 100, 64, 1.0)
+  assert all(r["tokens"] == sum(o for _, o in lengths) for r in rows)
+  assert set(res["summary"]) == {"k3 paged concurrency x", "k3 paged tokens/s x",
+                                 "k3 paged + chunk-local concurrency x",
+                                 "k3 paged + chunk-local tokens/s x"}
+
+
 @pytest.mark.parametrize("flag,words", [
     ("--parts=capacity,speed", "'speed' is not one of"),
     ("--spec_k=0,three", "are not all integers"),

@@ -113,7 +113,8 @@ def test_prefix_cache_hits_skip_the_shared_prefill_and_keep_the_output(loaded, t
                                                                         draft_kind, kw):
   """Requests sharing a 300-token prefix (past 2 chunks) one after another, then again: every
   output equals the contiguous engine's; the later ones hit the cache (their prefill starts at
-  the hit, in a smaller prompt bucket), with a draft one block short of the shared part."""
+  the hit, in a smaller prompt bucket), with a draft too (the token after the last shared block
+  is shared as well, so the draft's K/V there are the same)."""
   ids, _ = _prompts(loaded)
   shared = ids[0][:300]
   tails = [[7, 8, 9], ids[1][:40], [11] * 5, ids[2][:20]]
@@ -137,7 +138,7 @@ def test_prefix_cache_hits_skip_the_shared_prefill_and_keep_the_output(loaded, t
       e.shutdown()
   assert outs["paged"] == outs["contiguous"]
   pg = e._paging
-  hit = 288 if draft is None else 256  # whole blocks of the shared 300 (a draft: one fewer)
+  hit = 288  # whole blocks of the shared 300
   assert pg.cached_tokens == hit * len(prompts)  # every request after the first
   # Prefills only from the hit on: the first in the whole prompt's bucket, later ones in smaller.
   assert buckets == [e.bucket(len(p) - (hit if i else 0))

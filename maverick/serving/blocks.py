@@ -25,9 +25,12 @@ mean equal whole prefixes. A cached block
 whose last holder releases it goes to an LRU list instead of the free list; `allocate` takes free
 blocks first and evicts the least recently released cached block only when none is free. A hit never
 covers the whole prompt (the last prompt token is recomputed for its logits). With a draft
-(`draft=True`) the last matching block is not used either: the draft's K/V at position p is made
-from the token at p + 1 (EAGLE-3 pairs the target's features at p with the next token), so the block
-after a reused one must match too, and is recomputed.
+(`draft=True`) the key is not enough: the draft's K/V at position p is made from the token at p + 1
+(EAGLE-3 pairs the target's features at p with the next token), so the draft K/V at a block's last
+position depends on the token after the block. The global pool (where the draft layer lives)
+records that token for each cached block once it is final (committed past the block), and a block
+is a hit only if the new prompt has the same token there: a prompt sharing 600 tokens reuses all 9
+full 64-token blocks. A cached block whose next token is not final yet is no hit with a draft.
 
 Writes go only into blocks past every shared one: shared blocks are cached ones, and a fork copies
 the source's blocks past its cached ones (`fork` returns the copies to make on device).
@@ -97,6 +100,9 @@ class BlockPool:
     self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
     self.key_of: dict[int, bytes] = {}  # cached block -> key
     self.block_of: dict[bytes, int] = {}  # key -> cached block
+    # cached block -> the token after it when its last position's draft K/V was written (see
+    # the module docstring; set once, by the request that wrote the block)
+    self.next_token: dict[int, int] = {}
 
   @property
   def available(self) -> int:
@@ -109,6 +115,7 @@ class BlockPool:
     elif self.lru:
       b, _ = self.lru.popitem(last=False)  # least recently released
       del self.block_of[self.key_of.pop(b)]
+      self.next_token.pop(b, None)
     else:
       raise OutOfBlocks(f"all {self.num_blocks} blocks are held by running requests: admit fewer "
                         "requests or size the pool larger")
@@ -146,6 +153,7 @@ class Request:
   tables: dict[str, list[int]]  # pool name -> block ids (NO_BLOCK where released)
   floor: int = 0  # lowest length a rollback may return to (never decreases)
   private: bool = False  # never shares its blocks through the prefix cache (see admit)
+  followed: int = 0  # with a draft: blocks below this have their next token recorded (or had)
 
 
 class BlockManager:
@@ -190,14 +198,16 @@ class BlockManager:
   def prefix_hit(self, prompt: Sequence[int]) -> list[bytes]:
     """Keys of the prompt's cached leading blocks a new request may reuse (see module docstring)."""
     bs = self.block_size
-    keys, parent = [], b""
+    keys, parent, pool = [], b"", self.pools[GLOBAL]
     for j in range((len(prompt) - 1) // bs):  # the last prompt token is always recomputed
       parent = block_key(parent, prompt[j * bs:(j + 1) * bs])
-      if self.pools[GLOBAL].lookup(parent) is None:
+      b = pool.lookup(parent)
+      if b is None:
+        break
+      # the draft's K/V at the block's last position were made from the token after it
+      if self.draft and pool.next_token.get(b) != int(prompt[(j + 1) * bs]):
         break
       keys.append(parent)
-    if self.draft and keys:
-      keys.pop()  # the draft's K/V in the last block depend on the token after it
     while keys:  # the other pools must hold the blocks the new request will read
       if all(self.pools[name].lookup(k) is not None for name in self.pools if name != GLOBAL
              for k in keys[self._first_needed(name, len(keys) * bs):]):
@@ -269,6 +279,13 @@ class BlockManager:
       for name, pool in self.pools.items():
         if req.tables[name][j] != NO_BLOCK:
           pool.cache(req.tables[name][j], req.keys[j])
+    if self.draft:  # a block's next token, once final (below the floor): see prefix_hit
+      pool = self.pools[GLOBAL]
+      while req.followed < len(req.keys) and (req.followed + 1) * bs < req.floor:
+        b = req.tables[GLOBAL][req.followed]
+        if pool.key_of.get(b) == req.keys[req.followed]:
+          pool.next_token.setdefault(b, req.tokens[(req.followed + 1) * bs])
+        req.followed += 1
 
   def rollback_tokens(self, rid, n: int) -> None:
     """Takes back the last `n` committed tokens (rejected after all); their blocks stay reserved."""
@@ -311,7 +328,8 @@ class BlockManager:
     n = -(-len(s.tokens) // self.block_size)
     if any(self.pools[name].available < n - shared for name in self.pools):
       raise OutOfBlocks(f"fork of {src!r}: no room to copy its {n - shared} unshared blocks")
-    req = Request(list(s.tokens), list(s.keys), {}, floor=s.floor, private=s.private)
+    req = Request(list(s.tokens), list(s.keys), {}, floor=s.floor, private=s.private,
+                  followed=s.followed)
     copies = []
     for name, pool in self.pools.items():
       table = list(s.tables[name][:shared])
