@@ -306,10 +306,32 @@ def write_size_sweep():
         f"{size / 1e6:.2f} MB")
 
 
+def write_saved_processor_config():
+  """tf5_processor_config.json: the processor_config.json that ``Llama4Processor.save_pretrained``
+  writes (transformers 5 nests the image processor's settings in it; no preprocessor_config.json),
+  for a processor with 56-px tiles and max_patches 5 (the tokenizer files it also writes are dropped)."""
+  import tempfile
+  specials = ["<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+              "<|tile_y_separator|>"]
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]"] + specials)}, unk_token="[UNK]"))
+  tok.add_special_tokens(specials)
+  fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+  proc = Llama4Processor(image_processor=Llama4ImageProcessor(size={"height": 56, "width": 56},
+                                                              max_patches=5), tokenizer=fast)
+  with tempfile.TemporaryDirectory() as d:
+    proc.save_pretrained(d)
+    d = pathlib.Path(d)
+    assert not (d / "preprocessor_config.json").exists()
+    saved = (d / "processor_config.json").read_text()
+  assert json.loads(saved)["image_processor"]["max_patches"] == 5
+  (OUT / "tf5_processor_config.json").write_text(saved)
+  print("wrote tf5_processor_config.json")
+
+
 def main():
   OUT.mkdir(parents=True, exist_ok=True)
   for f in OUT.glob("*"):
-    if not f.name.startswith("size_sweep."):  # written by --part sizes
+    if not f.name.startswith(("size_sweep.", "tf5_")):  # written by --part sizes / saved
       f.unlink()
   meta = {"transformers": transformers.__version__, "torch": torch.__version__,
           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cases": [], "sweep": []}
@@ -356,11 +378,13 @@ def main():
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--part", choices=["all", "cases", "sizes"], default="all",
+  parser.add_argument("--part", choices=["all", "cases", "sizes", "saved"], default="all",
                       help="cases: the original files (cases.json, PNG/.npz, sweep.npz); sizes: only "
-                           "size_sweep.json/.npz; all: both")
+                           "size_sweep.json/.npz; saved: only tf5_processor_config.json; all: all")
   args = parser.parse_args()
   if args.part in ("all", "cases"):
     main()
   if args.part in ("all", "sizes"):
     write_size_sweep()
+  if args.part in ("all", "saved"):
+    write_saved_processor_config()
