@@ -105,6 +105,11 @@ def test_config_errors_name_the_field():
     vision_lib.tiny().replace(intermediate_size=64)
   with pytest.raises(vision_lib.VisionConfigError, match="multiple of patch_size"):
     vision_lib.tiny().replace(image_size=50)
+  with pytest.raises(vision_lib.VisionConfigError, match="image_end_token_id 503 must be three "
+                                                          "different tokens.*eoi_token_index"):
+    vision_lib.tiny().replace(image_end_token_id=503)
+  with pytest.raises(vision_lib.VisionConfigError, match="image_start_token_id must be a token id"):
+    vision_lib.tiny().replace(image_start_token_id=-1)
 
 
 SAVED_TF5 = os.path.join(os.path.dirname(__file__), "fixtures", "hf_llama4_vision",
