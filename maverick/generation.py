@@ -199,11 +199,12 @@ def image_inputs(model: Llama4, prompts, images, max_tiles: int | None = None):
   `maverick.vision.PreprocessedImage`. The prompts must already hold each image's token layout
   (`maverick.vision.expand_image_placeholders` on the text, with the tile grids that
   `maverick.vision.preprocess_image(image, model.vision.config.preprocess(max_tiles))` gives):
-  the number of image tokens is checked against the tiles, and against the model's context."""
+  each row's layouts are matched with the images in order, one layout per image, by patch count and
+  tile grid (`check_image_layouts`), and the image tokens against the model's context."""
   tower = vision_lib.tower_of(model)
   if images is None or (isinstance(images, (list, tuple)) and not images):
     if tower is not None:
-      _check_image_tokens(tower.config, model.config, prompts, 0)
+      check_image_layouts(tower.config, model.config, prompts, [])
     return None
   if tower is None:
     raise ValueError("images were given but this model has no vision tower (a text-only model or "
@@ -214,34 +215,107 @@ def image_inputs(model: Llama4, prompts, images, max_tiles: int | None = None):
   if not isinstance(images, (list, tuple)):
     images = [images]
   cfg = tower.config.preprocess(max_tiles)
-  tiles = []
+  done = []
   for im in images:
     if not isinstance(im, vision_pre.PreprocessedImage):
       if isinstance(im, (bytes, bytearray, memoryview, str)) or hasattr(im, "__fspath__"):
         im = vision_pre.decode_image(im)
       im = vision_pre.preprocess_image(im, cfg)
-    tiles.append(im.pixel_values)
-  pixels = np.concatenate(tiles).astype(np.float32)
-  _check_image_tokens(tower.config, model.config, prompts, pixels.shape[0])
-  return pixels
+    done.append(im)
+  check_image_layouts(tower.config, model.config, prompts, done)
+  return np.concatenate([im.pixel_values for im in done]).astype(np.float32)
 
 
-def _check_image_tokens(vcfg, cfg, prompts, num_tiles: int) -> None:
+_FIX = ("build the prompt with maverick.vision.expand_image_placeholders from these images' tile "
+        "grids (same max_tiles): one <|image|> per image, in order")
+
+
+def _tiles(grid) -> int:
+  return grid[0] * grid[1] + (grid[0] * grid[1] > 1)  # + the global tile
+
+
+def _layouts(row, vcfg, i: int):
+  """[(patch tokens, tile grid or None when the layout is not one)] of each
+  <|image_start|> ... <|image_end|> in prompt row `i`, in order."""
+  t = np.asarray(row, np.int64)
+  starts = np.flatnonzero(t == vcfg.image_start_token_id)
+  ends = np.flatnonzero(t == vcfg.image_end_token_id)
+  if (len(starts) != len(ends) or np.any(ends <= starts)
+      or np.any(starts[1:] <= ends[:-1])):
+    raise ValueError(f"prompt {i} has unpaired image markers ({len(starts)} <|image_start|> "
+                     f"(id {vcfg.image_start_token_id}), {len(ends)} <|image_end|> (id "
+                     f"{vcfg.image_end_token_id}), not alternating): {_FIX}")
+  patch = t == vcfg.image_token_id
+  inside = np.zeros(len(t) + 1, np.int64)
+  np.add.at(inside, starts, 1)
+  np.add.at(inside, ends + 1, -1)
+  outside = int(np.sum(patch & (np.cumsum(inside[:-1]) == 0)))
+  if outside:
+    raise ValueError(f"prompt {i} holds {outside} image tokens (<|patch|>, id "
+                     f"{vcfg.image_token_id}) outside any <|image_start|> ... <|image_end|> layout: "
+                     f"{_FIX}")
+  ppt = vcfg.patches_per_tile
+  out = []
+  for s, e in zip(starts, ends):
+    seg = patch[s + 1:e]
+    n = int(seg.sum())
+    # runs of patch tokens: each tile's patches, separated by one tile-separator token
+    edges = np.diff(np.concatenate([[0], seg.astype(np.int8), [0]]))
+    run_starts, run_ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    grid = None
+    if len(run_starts) and np.all(run_ends - run_starts == ppt):
+      if len(run_starts) == 1:
+        grid = (1, 1)
+      else:  # the token after each local tile: <|tile_x_separator|>, at a row's end <|tile_y_...|>
+        seps = t[s + 1 + run_ends[:-1]]
+        row_end = seps == seps[-1]
+        cols = int(np.argmax(row_end)) + 1
+        if len(seps) > 1 and np.array_equal(row_end, (np.arange(len(seps)) + 1) % cols == 0):
+          grid = (len(seps) // cols, cols)
+    out.append((n, grid))
+  return out
+
+
+def check_image_layouts(vcfg, cfg, prompts, images) -> None:
+  """Each prompt row's image layouts against `images` (PreprocessedImage, the whole batch's in
+  prompt order, row 0's first): one layout per image, in order, each with the image's tile grid
+  and tiles x patches_per_tile <|patch|> tokens; the image tokens fit the model's context.
+  ValueError naming the row, the image and the fix otherwise."""
   if not len(prompts) or not all(isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
     return  # malformed prompts: `prepare` says what is wrong with them
-  per_row = [sum(1 for t in p if int(t) == vcfg.image_token_id) for p in prompts]
   context = cfg.max_position_embeddings
-  for i, n in enumerate(per_row):
+  layouts = []
+  for i, p in enumerate(prompts):
+    n = int(np.sum(np.asarray(p, np.int64) == vcfg.image_token_id)) if len(p) else 0
     if n >= context:
       raise ValueError(f"prompt {i} holds {n} image tokens, more than the model's context of "
                        f"{context} positions leaves room for (the prompt and one new token): send "
                        "fewer or smaller images, or lower max_tiles")
-  want = num_tiles * vcfg.patches_per_tile
-  if sum(per_row) != want:
-    raise ValueError(f"the prompts hold {sum(per_row)} image tokens (id {vcfg.image_token_id}) but "
-                     f"the images give {num_tiles} tiles x {vcfg.patches_per_tile} = {want} "
-                     "features: build the prompt with maverick.vision.expand_image_placeholders "
-                     "from these images' tile grids (same max_tiles), one layout per image")
+    layouts.append(_layouts(p, vcfg, i) if len(p) else [])
+  per_row = [len(rows) for rows in layouts]
+  if sum(per_row) != len(images):
+    rows = ", ".join(f"prompt {i}: {n}" for i, n in enumerate(per_row))
+    raise ValueError(f"the prompts hold {sum(per_row)} image layouts (<|image_start|> ... "
+                     f"<|image_end|>; {rows}) but {len(images)} images were given, taken in prompt "
+                     f"order over the batch: {_FIX}")
+  ppt = vcfg.patches_per_tile
+  j = 0
+  for i, rows in enumerate(layouts):
+    for k, (n, grid) in enumerate(rows):
+      im = images[j]
+      want_grid = tuple(int(v) for v in im.tile_grid)
+      tiles = _tiles(want_grid)
+      if im.pixel_values.shape[0] != tiles:
+        raise ValueError(f"image {j} has {im.pixel_values.shape[0]} tiles of pixel values but its "
+                         f"tile grid {want_grid} needs {tiles}: pass the PreprocessedImage that "
+                         "maverick.vision.preprocess_image returns")
+      if n != tiles * ppt or grid != want_grid:
+        held = "not a tile layout" if grid is None else f"a {grid[0]}x{grid[1]} grid"
+        raise ValueError(f"prompt {i}, image {k} of the row (image {j} of the batch): its layout "
+                         f"holds {n} image tokens ({held}) but the image gives {tiles} tiles x "
+                         f"{ppt} = {tiles * ppt} ({want_grid[0]}x{want_grid[1]} grid"
+                         f"{' + global' if tiles > 1 else ''}): {_FIX}")
+      j += 1
 
 
 def with_images(req: Request, pixels, model) -> Request:

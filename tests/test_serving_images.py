@@ -138,7 +138,7 @@ def test_prefix_cache_never_shares_one_images_blocks_with_another(model, outputs
     engine.shutdown()
 
 
-@pytest.mark.parametrize("case", ["text_only", "corrupt", "count", "context"])
+@pytest.mark.parametrize("case", ["text_only", "corrupt", "count", "five_for_one", "context"])
 def test_bad_image_requests_are_refused_before_a_slot(model, outputs, case):
   ids = outputs["one_image.input_ids"].tolist()
   image = np.full((20, 20, 3), 9, np.uint8)
@@ -150,6 +150,9 @@ def test_bad_image_requests_are_refused_before_a_slot(model, outputs, case):
     args, words = {
         "corrupt": ((ids, dict(images=[b"\x89PNG not really"])), "cannot decode image"),
         "count": ((ids, dict(images=[image], max_tiles=4)), "20 image tokens.*1 tiles x 4 = 4"),
+        # one 5-tile layout, five 1-tile images: the same 20 image tokens
+        "five_for_one": ((ids, dict(images=[image] * 5, max_tiles=4)),
+                         r"hold 1 image layouts .* but 5 images were given"),
         "context": (([1] + [503] * 5000, dict(images=[image])),
                     "the prompt has 5001 tokens \\(5000 of them image tokens: send fewer"),
     }[case]

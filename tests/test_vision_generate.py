@@ -122,8 +122,73 @@ def test_image_token_count_must_match_the_images(model, outputs):
   with pytest.raises(ValueError, match="20 image tokens.*1 tiles x 4 = 4"):
     maverick.generate(model, [ids], images=[np.full((20, 20, 3), 9, np.uint8)], max_tiles=4,
                       max_new_tokens=2)
-  with pytest.raises(ValueError, match="20 image tokens.*0 tiles"):
+  with pytest.raises(ValueError, match=r"hold 1 image layouts .*prompt 0: 1\) but 0 images"):
     maverick.generate(model, [ids], max_new_tokens=2)
+
+
+IDS = {preprocess.IMAGE_START: 500, preprocess.IMAGE_END: 501, preprocess.IMAGE_TOKEN: 502,
+       preprocess.PATCH_TOKEN: PATCH, preprocess.TILE_X_SEPARATOR: 504,
+       preprocess.TILE_Y_SEPARATOR: 505}  # the fixture's ids (see _word_tokenizer)
+
+
+def _layout_ids(grid, cfg):
+  """The token ids of image_prompt_tokens(grid) with the fixture's ids."""
+  import re
+  text = preprocess.image_prompt_tokens(grid, cfg)
+  pieces = re.findall("|".join(re.escape(t) for t in IDS), text)
+  assert "".join(pieces) == text
+  return [IDS[p] for p in pieces]
+
+
+def _fake(grid, cfg):
+  """A PreprocessedImage with this tile grid (its pixels are never looked at: refused before)."""
+  n = grid[0] * grid[1] + (grid[0] * grid[1] > 1)
+  return preprocess.PreprocessedImage(np.ones((n, 3, cfg.tile_size, cfg.tile_size), np.float32), grid)
+
+
+def test_five_images_for_one_layout_are_refused(model, outputs):
+  """The issue's example: one image layout (2x2 + global = 5 tiles, 20 image tokens) and five small
+  images of one tile each (20 features too): the counts agree, the images do not."""
+  ids = outputs["one_image.input_ids"].tolist()
+  assert ids.count(500) == 1 and ids.count(PATCH) == 20
+  small = [np.full((20, 20, 3), 9 * k, np.uint8) for k in range(1, 6)]
+  with pytest.raises(ValueError, match=r"hold 1 image layouts .*prompt 0: 1\) but 5 images were "
+                                       r"given.*expand_image_placeholders"):
+    maverick.generate(model, [ids], images=small, max_tiles=4, max_new_tokens=2)
+
+
+def test_each_layout_must_match_its_image(model, outputs):
+  from maverick import generation
+  cfg = model.vision.config.preprocess(4)
+  two = outputs["two_images.input_ids"].tolist()  # a 1x3 (+ global) layout, then a 1x1 one
+  grids = [(1, 3), (1, 1)]
+  layouts = [_layout_ids(g, cfg) for g in grids]
+  assert two.count(500) == 2 and all(any(two[k:k + len(lay)] == lay for k in range(len(two)))
+                                     for lay in layouts)
+  ok = generation.image_inputs(model, [two], [_fake(g, cfg) for g in grids])
+  assert ok.shape[0] == 5
+  cases = [  # (prompts, images' grids, message)
+    # the right images in the wrong order
+    ([two], [(1, 1), (1, 3)], r"prompt 0, image 0 of the row \(image 0 of the batch\): its layout "
+                              r"holds 16 image tokens \(a 1x3 grid\) but the image gives 1 tiles x 4 = 4"),
+    # same tile count, transposed grid
+    ([two], [(3, 1), (1, 1)], r"prompt 0, image 0.*holds 16 image tokens \(a 1x3 grid\) but the image "
+                              r"gives 4 tiles x 4 = 16 \(3x1 grid \+ global\)"),
+    # rows: the second row's image given to the first
+    ([[7, 8], two], [(1, 3)], r"hold 2 image layouts .*prompt 0: 0, prompt 1: 2\) but 1 images"),
+    ([two, [7] + _layout_ids((2, 2), cfg)], [(1, 3), (1, 1), (1, 2)],
+     r"prompt 1, image 0 of the row \(image 2 of the batch\).*a 2x2 grid.*1x2 grid \+ global"),
+    # image tokens outside any layout (counts agree)
+    ([[1] + [PATCH] * 4], [(1, 1)], r"prompt 0 holds 4 image tokens .*outside any"),
+    ([[1, 500, 502] + [PATCH] * 4 + [500, 501]], [(1, 1)], r"prompt 0 has unpaired image markers"),
+  ]
+  for prompts, image_grids, match in cases:
+    with pytest.raises(ValueError, match=match):
+      generation.image_inputs(model, prompts, [_fake(g, cfg) for g in image_grids])
+  # two rows, each right
+  pv = generation.image_inputs(model, [two, [7] + _layout_ids((2, 2), cfg)],
+                               [_fake(g, cfg) for g in [(1, 3), (1, 1), (2, 2)]])
+  assert pv.shape[0] == 4 + 1 + 5
 
 
 def test_corrupt_image_bytes_are_refused(model, outputs):

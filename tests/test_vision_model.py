@@ -105,6 +105,82 @@ def test_config_errors_name_the_field():
     vision_lib.tiny().replace(intermediate_size=64)
   with pytest.raises(vision_lib.VisionConfigError, match="multiple of patch_size"):
     vision_lib.tiny().replace(image_size=50)
+  with pytest.raises(vision_lib.VisionConfigError, match="image_end_token_id 503 must be three "
+                                                          "different tokens.*eoi_token_index"):
+    vision_lib.tiny().replace(image_end_token_id=503)
+  with pytest.raises(vision_lib.VisionConfigError, match="image_start_token_id must be a token id"):
+    vision_lib.tiny().replace(image_start_token_id=-1)
+
+
+SAVED_TF5 = os.path.join(os.path.dirname(__file__), "fixtures", "hf_llama4_vision",
+                         "tf5_processor_config.json")
+
+
+def _config_dir(tmp_path, files):
+  """A checkpoint dir with the tiny multimodal config.json plus the given {name: JSON value or text}."""
+  d = tmp_path / "ckpt"
+  d.mkdir(parents=True)
+  shutil.copy(os.path.join(FIXTURE, "config.json"), d / "config.json")
+  for name, content in files.items():
+    (d / name).write_text(content if isinstance(content, str) else json.dumps(content))
+  return str(d)
+
+
+def _tf5(max_patches=..., **extra):
+  """processor_config.json as transformers 5.23's Llama4Processor.save_pretrained writes it."""
+  image_proc = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+                "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Llama4ImageProcessor",
+                "image_std": [0.5, 0.5, 0.5], "resample": 2, "rescale_factor": 1 / 255,
+                "resize_to_max_canvas": False, "size": {"height": 336, "width": 336}}
+  if max_patches is not ...:
+    image_proc["max_patches"] = max_patches
+  return {"fake_image_token": "<|image|>", "image_processor": image_proc, "image_token": "<|image|>",
+          "patch_size": 14, "processor_class": "Llama4Processor", **extra}
+
+
+def test_max_tiles_from_a_transformers5_save(tmp_path):
+  """transformers 5 saves max_patches nested in processor_config.json (no preprocessor_config.json):
+  the real file it wrote (max_patches 5), and hand-written ones."""
+  with open(SAVED_TF5) as f:
+    saved = f.read()
+  assert json.loads(saved)["image_processor"]["max_patches"] == 5
+  assert hf_vision.config_of(_config_dir(tmp_path / "a", {"processor_config.json": saved}),
+                             "float32").max_tiles == 5
+  assert hf_vision.config_of(_config_dir(tmp_path / "b", {"processor_config.json": _tf5(7)}),
+                             "float32").max_tiles == 7
+
+
+@pytest.mark.parametrize("files, want", [
+  # both: the nested dict wins (transformers loads it first and then never reads the other file)
+  ({"processor_config.json": _tf5(7), "preprocessor_config.json": {"max_patches": 4}}, 7),
+  # the published Llama 4 layout: processor_config.json without image settings
+  ({"processor_config.json": {"processor_class": "Llama4Processor", "patch_size": 14},
+    "preprocessor_config.json": {"max_patches": 4}}, 4),
+  # nested without max_patches: transformers' default, the other file unread
+  ({"processor_config.json": _tf5(), "preprocessor_config.json": {"max_patches": 4}}, 16),
+  ({"preprocessor_config.json": {"max_patches": 9}}, 9),
+  ({}, 16),
+])
+def test_which_file_gives_max_tiles(tmp_path, files, want):
+  assert hf_vision.config_of(_config_dir(tmp_path, files), "float32").max_tiles == want
+
+
+@pytest.mark.parametrize("files, match", [
+  ({"processor_config.json": _tf5(0)}, r"processor_config.json: image_processor.max_patches must be a "
+                                        r"positive integer .* got 0"),
+  ({"processor_config.json": _tf5("16")}, r"processor_config.json: image_processor.max_patches .* got '16'"),
+  ({"processor_config.json": _tf5(True)}, r"image_processor.max_patches .* got True"),
+  ({"processor_config.json": _tf5(2.5)}, r"image_processor.max_patches .* got 2.5"),
+  ({"preprocessor_config.json": {"max_patches": -3}}, r"preprocessor_config.json: max_patches must be .* got -3"),
+  ({"preprocessor_config.json": {"max_patches": "x"}}, r"preprocessor_config.json: max_patches .* got 'x'"),
+  ({"processor_config.json": {"image_processor": [16]}}, r"processor_config.json: image_processor must be "
+                                                          r"a JSON object"),
+  ({"processor_config.json": "{not json"}, r"processor_config.json is not valid JSON"),
+  ({"preprocessor_config.json": "[1, 2"}, r"preprocessor_config.json is not valid JSON"),
+])
+def test_bad_max_patches_names_the_file_and_field(tmp_path, files, match):
+  with pytest.raises(CheckpointError, match=match):
+    hf_vision.config_of(_config_dir(tmp_path, files), "float32")
 
 
 def test_loader_refuses_a_tower_that_does_not_match(tmp_path):

@@ -7,6 +7,7 @@ checked against independent references: PIL's alpha compositing, ml_dtypes' bflo
 resize, hand-worked grids and layouts.
 """
 
+import hashlib
 import io
 import json
 import pathlib
@@ -292,5 +293,108 @@ def test_plausible_bugs_break_the_fixture_match(monkeypatch, mutant):
   elif mutant == "no_bf16":
     monkeypatch.setattr(P, "_bf16", lambda x: np.asarray(x, np.float32))
   elif mutant == "stretch_to_canvas":  # aspect ratio not kept
-    monkeypatch.setattr(P, "_max_res_without_distortion", lambda hw, target: target)
+    monkeypatch.setattr(P, "_resize_target", lambda hw, canvas, tile, max_canvas: canvas)
   assert not _matches_fixture()
+
+
+# --------------------------------------------------------------------------- size sweep (HF, bit for bit)
+
+SIZE_SWEEP = json.loads((FIX / "size_sweep.json").read_text())
+
+
+def sweep_image(h: int, w: int, chans: int, seed: int) -> np.ndarray:
+  """The size sweep's inputs, as tools/make_vision_fixture.py makes them (the fixture keeps each one's
+  sha256): an integer hash of (seed, block row, block col, channel) on 1..3 x 1..4 px blocks."""
+  bh, bw = 1 + seed % 3, 1 + (seed // 3) % 4
+  y = (np.arange(h, dtype=np.uint32) // bh)[:, None, None]
+  x = (np.arange(w, dtype=np.uint32) // bw)[None, :, None]
+  c = np.arange(chans, dtype=np.uint32)[None, None, :]
+  v = (y * np.uint32(0x9E3779B1)) ^ (x * np.uint32(0x85EBCA77)) ^ (c * np.uint32(0xC2B2AE3D))
+  v = v ^ np.uint32((seed * 0x27D4EB2F) & 0xFFFFFFFF)
+  v = v ^ (v >> np.uint32(15))
+  v = v * np.uint32(0x2C1B3C6D)
+  v = v ^ (v >> np.uint32(12))
+  v = v * np.uint32(0x297A2D39)
+  v = v ^ (v >> np.uint32(15))
+  return (v >> np.uint32(24)).astype(np.uint8)
+
+
+def _bf16_bits(pixel_values: np.ndarray) -> np.ndarray:
+  bits = np.ascontiguousarray(pixel_values, np.float32).view(np.uint32)
+  assert not (bits & 0xFFFF).any()  # bfloat16 values
+  return (bits >> 16).astype("<u2")
+
+
+def _sweep_mismatch(entry, img, full) -> str | None:
+  """Why our preprocessing of ``img`` differs from HF's record ``entry``, or None when it is equal."""
+  cfg = P.VisionPreprocessConfig(tile_size=entry["tile_size"], max_tiles=entry["max_tiles"],
+                                 resize_to_max_canvas=entry["resize_to_max_canvas"])
+  hw = img.shape[:2]
+  canvas = P.best_fit(hw, P.supported_resolutions(cfg.max_tiles, cfg.tile_size), cfg.resize_to_max_canvas)
+  resized = P._resize_target(hw, canvas, cfg.tile_size, cfg.resize_to_max_canvas)
+  out = P.preprocess_image(img, cfg)
+  bits = _bf16_bits(out.pixel_values)
+  if out.tile_grid != tuple(entry["tile_grid"]):
+    return f"tile grid {out.tile_grid} != HF {entry['tile_grid']}"
+  if list(resized) != entry["resized"]:
+    return f"resized to {resized} != HF {entry['resized']}"
+  if list(bits.shape) != entry["pixel_values_shape"]:
+    return f"shape {bits.shape} != HF {entry['pixel_values_shape']}"
+  if full is not None and not np.array_equal(bits, full):
+    return f"{int((bits != full).sum())} pixel values differ"
+  if hashlib.sha256(bits.tobytes()).hexdigest() != entry["sha256_bf16_bits"]:
+    return "pixel values differ (sha256 of the bfloat16 bits)"
+  return None
+
+
+def _check_sweep(entries, make_image, full_arrays):
+  bad = []
+  for entry in entries:
+    img = make_image(entry)
+    key = entry.get("full")
+    msg = _sweep_mismatch(entry, img, full_arrays[key] if key else None)
+    if msg:
+      bad.append(f"{entry.get('mode', 'RGB')} {entry['height']}x{entry['width']} tile "
+                 f"{entry['tile_size']} max {entry['max_tiles']} max_canvas "
+                 f"{entry['resize_to_max_canvas']}: {msg}")
+  assert not bad, f"{len(bad)} of {len(entries)} sizes differ from HF:\n" + "\n".join(bad[:20])
+
+
+def _rgb_input(entry):
+  img = sweep_image(entry["height"], entry["width"], 3, entry["seed"])
+  assert hashlib.sha256(img.tobytes()).hexdigest() == entry["input_sha256"], "sweep_image drifted"
+  return img
+
+
+@pytest.mark.parametrize("part", ["small_tiles", "real_config"])
+def test_size_sweep_matches_hf(part):
+  """Hundreds of sizes (1 x N, N x 1, tile multiples +/- 1, 4:3 photos, random), with 14/28-px tiles and
+  with the real 336-px / 16-tile config: HF's tile grid, resize size and pixel values, bit for bit.
+  Dozens of them are sizes where HF's float32 scale floors one pixel lower than float64 arithmetic."""
+  real = part == "real_config"
+  entries = [e for e in SIZE_SWEEP["rgb"] if (e["tile_size"] == 336) == real]
+  assert len(entries) >= (80 if real else 400)
+  assert sum(e["float64_size_differs"] for e in entries) >= (20 if real else 40)
+  assert any(e["height"] == 1 for e in entries) and any(e["width"] == 1 for e in entries)
+  with np.load(FIX / "size_sweep.npz", allow_pickle=False) as data:
+    full = {k: data[k] for k in data.files}
+  _check_sweep(entries, _rgb_input, full)
+
+
+def test_size_sweep_modes_match_hf():
+  """Gray, gray + alpha, RGBA, palette and palette + tRNS PNGs through decode_image: HF's pixels."""
+  with np.load(FIX / "size_sweep.npz", allow_pickle=False) as data:
+    full = {k: data[k] for k in data.files}
+  entries = SIZE_SWEEP["modes"]
+  assert {e["mode"] for e in entries} == {"L", "LA", "RGBA", "P", "P+trns"}
+  _check_sweep(entries, lambda e: P.decode_image(full[e["png"]].tobytes()), full)
+
+
+def test_resize_target_float32_example():
+  """The issue's example: HF floors 1200 * float32(1344 / 1600) = 1007.99994 to 1007 (float64: 1008).
+  Transposed, the two float32 scales tie, so the other branch keeps the height: 1008 x 1344 (HF too,
+  see the size sweep)."""
+  canvas = P.best_fit((1600, 1200), P.supported_resolutions(16, 336))
+  assert canvas == (1344, 1008)
+  assert P._resize_target((1600, 1200), canvas, 336, False) == (1344, 1007)
+  assert P._resize_target((1200, 1600), canvas[::-1], 336, False) == (1008, 1344)

@@ -61,17 +61,54 @@ def weight_map(cfg: vision_lib.VisionConfig) -> dict[str, tuple[tuple, tuple[int
 
 
 def config_of(hf_dir: str, dtype: str) -> vision_lib.VisionConfig | None:
-  """The tower config of a HF checkpoint directory (config.json's vision_config; max_tiles from
-  preprocessor_config.json's max_patches when present), or None for a text-only checkpoint."""
+  """The tower config of a HF checkpoint directory (config.json's vision_config; max_tiles from the
+  image processor's max_patches, see `_max_patches`), or None for a text-only checkpoint."""
   with open(os.path.join(hf_dir, "config.json")) as f:
     cfg = vision_lib.from_hf(json.load(f), dtype=dtype)
-  pre = os.path.join(hf_dir, "preprocessor_config.json")
-  if cfg is not None and os.path.isfile(pre):
-    with open(pre) as f:
-      max_patches = json.load(f).get("max_patches")
-    if isinstance(max_patches, int) and max_patches >= 1:
-      cfg = cfg.replace(max_tiles=max_patches)
-  return cfg
+  if cfg is None:
+    return None
+  max_patches = _max_patches(hf_dir)
+  return cfg if max_patches is None else cfg.replace(max_tiles=max_patches)
+
+
+def _max_patches(hf_dir: str) -> int | None:
+  """The image processor's max_patches, from the file transformers (5.23) itself loads it from: the
+  ``image_processor`` dict nested in processor_config.json (transformers 5 saves it there) when there is
+  one, else preprocessor_config.json (older saves, the published Llama 4 repos). As in transformers, a
+  nested dict without max_patches means the default (None here), preprocessor_config.json unread."""
+  nested = os.path.join(hf_dir, "processor_config.json")
+  if os.path.isfile(nested):
+    proc = _read_json(nested)
+    if isinstance(proc, dict) and "image_processor" in proc:
+      image_proc = proc["image_processor"]
+      if not isinstance(image_proc, dict):
+        raise CheckpointError(f"{nested}: image_processor must be a JSON object (the image processor's "
+                              f"settings), got {type(image_proc).__name__}; fix or delete the field")
+      return _check_max_patches(image_proc, nested, "image_processor.max_patches")
+  flat = os.path.join(hf_dir, "preprocessor_config.json")
+  if os.path.isfile(flat):
+    return _check_max_patches(_read_json(flat), flat, "max_patches")
+  return None
+
+
+def _read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{path} is not valid JSON ({e}); fix or delete the file") from None
+
+
+def _check_max_patches(d, path: str, field: str) -> int | None:
+  if not isinstance(d, dict):
+    raise CheckpointError(f"{path} must hold a JSON object, got {type(d).__name__}")
+  v = d.get("max_patches")
+  if v is None:
+    return None
+  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    raise CheckpointError(f"{path}: {field} must be a positive integer (the most tiles per image; "
+                          f"Llama 4 uses 16), got {v!r}; fix the field or delete it for the default")
+  return v
 
 
 def has_tower(ckpt: SafetensorsCheckpoint) -> bool:

@@ -58,6 +58,9 @@ class VisionConfig:
   rope_theta: float = 10000.0
   text_hidden_size: int = 5120  # the projector's output
   image_token_id: int = 200092  # <|patch|>: the positions the features replace
+  # <|image_start|> / <|image_end|> (HF boi/eoi_token_index): each image's layout in the prompt
+  image_start_token_id: int = 200080
+  image_end_token_id: int = 200081
   max_tiles: int = 16  # preprocessing: the most local tiles per image (HF max_patches)
   dtype: str = "bfloat16"
 
@@ -68,6 +71,15 @@ class VisionConfig:
       v = getattr(self, name)
       if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
         raise VisionConfigError(f"vision {name} must be a positive integer, got {v!r}")
+    ids = ("image_token_id", "image_start_token_id", "image_end_token_id")
+    for name in ids:
+      v = getattr(self, name)
+      if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+        raise VisionConfigError(f"vision {name} must be a token id (an integer >= 0), got {v!r}")
+    if len({getattr(self, n) for n in ids}) != 3:
+      raise VisionConfigError(f"vision {', '.join(f'{n} {getattr(self, n)}' for n in ids)} must be "
+                              "three different tokens (config.json image_token_index, "
+                              "boi_token_index, eoi_token_index)")
     if self.image_size % self.patch_size:
       raise VisionConfigError(f"vision image_size {self.image_size} must be a multiple of "
                               f"patch_size {self.patch_size}")
@@ -132,7 +144,8 @@ def tiny(dtype: str = "float32") -> VisionConfig:
   return VisionConfig(image_size=56, patch_size=14, hidden_size=32, num_hidden_layers=2,
                       num_attention_heads=2, intermediate_size=128, projector_input_dim=48,
                       projector_output_dim=48, vision_output_dim=48, text_hidden_size=64,
-                      image_token_id=503, max_tiles=4, dtype=dtype)
+                      image_token_id=503, image_start_token_id=500, image_end_token_id=501,
+                      max_tiles=4, dtype=dtype)
 
 
 def from_hf(raw: Mapping[str, Any], dtype: str | None = None) -> VisionConfig | None:
@@ -159,6 +172,8 @@ def from_hf(raw: Mapping[str, Any], dtype: str | None = None) -> VisionConfig | 
       vision_output_dim=get("vision_output_dim"), norm_eps=float(get("norm_eps")),
       rope_theta=float(theta), text_hidden_size=text.get("hidden_size", defaults.text_hidden_size),
       image_token_id=raw.get("image_token_index", defaults.image_token_id),
+      image_start_token_id=raw.get("boi_token_index", defaults.image_start_token_id),
+      image_end_token_id=raw.get("eoi_token_index", defaults.image_end_token_id),
       dtype=dtype or (hf_dtype if hf_dtype in ("float32", "bfloat16", "float16") else "bfloat16"))
   except TypeError as e:
     raise VisionConfigError(f"vision_config has a field of the wrong type ({e})") from None
@@ -344,9 +359,10 @@ def attach(model, tower: VisionTower):
   if tower.config.text_hidden_size != model.config.hidden_size:
     raise VisionConfigError(f"the vision tower projects to {tower.config.text_hidden_size} but the "
                             f"text model is {model.config.hidden_size} wide")
-  if not 0 <= tower.config.image_token_id < model.config.vocab_size:
-    raise VisionConfigError(f"image_token_id {tower.config.image_token_id} is outside the "
-                            f"vocabulary [0, {model.config.vocab_size})")
+  for name in ("image_token_id", "image_start_token_id", "image_end_token_id"):
+    if not 0 <= getattr(tower.config, name) < model.config.vocab_size:
+      raise VisionConfigError(f"{name} {getattr(tower.config, name)} is outside the "
+                              f"vocabulary [0, {model.config.vocab_size})")
   setattr(model, PATH, tower)
   return model
 

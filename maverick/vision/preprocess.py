@@ -8,7 +8,8 @@ tools/make_vision_fixture.py writes from HF itself):
    ``(rows * tile, cols * tile)``; the best one needs the least downscaling (or the least upscaling when
    upscaling is possible), ties broken by the smallest area (HF ``get_best_fit``).
 3. Resize without distortion into the canvas (a side shorter than a tile grows to at most one tile, a
-   longer one never grows; ``resize_to_max_canvas`` lifts that cap), bilinear with antialias in
+   longer one never grows; ``resize_to_max_canvas`` lifts that cap; the size in HF's mix of float32
+   and float64 arithmetic, see ``_resize_target``), bilinear with antialias in
    torch's uint8 fixed-point arithmetic (int16 weights, per-pass precision), pad right/bottom with 0.
 4. Rescale and normalize in bfloat16, as the original implementation (and HF) do.
 5. Split into row-major tiles; when there is more than one tile, append a global thumbnail (the whole
@@ -108,12 +109,39 @@ def best_fit(image_hw: tuple[int, int], resolutions, resize_to_max_canvas: bool 
   return int(best[0]), int(best[1])
 
 
-def _max_res_without_distortion(image_hw, target_hw) -> tuple[int, int]:
-  (h, w), (th, tw) = image_hw, target_hw
-  scale_w, scale_h = tw / w, th / h
-  if scale_w < scale_h:
-    return min(math.floor(h * scale_w), th), tw
-  return th, min(math.floor(w * scale_h), tw)
+def _resize_target(image_hw, canvas, tile_size: int, resize_to_max_canvas: bool) -> tuple[int, int]:
+  """The size the image is resized to before padding to ``canvas`` (HF's resize without distortion).
+
+  HF mixes number types here and the result depends on it: ``get_best_fit`` returns the canvas as a
+  torch int64 tensor, while the image size and the one-tile upscale cap are Python ints. A side limit
+  is a tensor when the canvas side wins ``min(max(side, tile), canvas_side)`` (Python's ``min`` keeps
+  the first of equal values) or always with ``resize_to_max_canvas``; its scale is then a float32
+  tensor, otherwise a Python float (float64). A comparison or product that involves a float32 tensor
+  runs in float32 (Python floats rounded to float32): 1200 * (1344 / 1600) floors to 1007, not 1008.
+  """
+  limit, is_f32 = [], []
+  for side, canvas_side in zip(image_hw, canvas):
+    if resize_to_max_canvas:
+      limit.append(canvas_side)
+      is_f32.append(True)
+    else:  # upscale at most to one tile
+      cap = max(side, tile_size)
+      is_f32.append(canvas_side < cap)
+      limit.append(canvas_side if canvas_side < cap else cap)
+  (h, w), (th, tw), (th_f32, tw_f32) = image_hw, limit, is_f32
+  scale_h = np.float32(th) / np.float32(h) if th_f32 else th / h
+  scale_w = np.float32(tw) / np.float32(w) if tw_f32 else tw / w
+  if th_f32 or tw_f32:
+    width_limits = np.float32(scale_w) < np.float32(scale_h)
+  else:
+    width_limits = scale_w < scale_h
+  if width_limits:
+    new = np.float32(h) * scale_w if tw_f32 else h * scale_w
+    nh, nw = min(math.floor(new), th), tw
+  else:
+    new = np.float32(w) * scale_h if th_f32 else w * scale_h
+    nh, nw = th, min(math.floor(new), tw)
+  return max(int(nh), 1), max(int(nw), 1)
 
 
 # -------------------------------------------------------------------------------------------- resize
@@ -155,14 +183,19 @@ def _resize_axis(img: np.ndarray, out_size: int, axis: int) -> np.ndarray:
   if in_size == out_size:
     return img
   idx, w16, prec = _aa_bilinear_int16_weights(in_size, out_size)
-  src = np.moveaxis(img, axis, 0)  # (in, other, C) uint8
+  shape = list(img.shape)
+  shape[axis] = out_size
+  bcast = [1] * img.ndim
+  bcast[axis] = out_size
   # int32 as torch: the weights sum to about 2^prec <= 2^22, so 255 * that fits
-  acc = np.full((out_size,) + src.shape[1:], 1 << (prec - 1), np.int32)
+  acc = np.full(shape, 1 << (prec - 1), np.int32)
+  tap = np.empty(shape, np.int32)
   for j in range(idx.shape[1]):
-    if w16[:, j].any():
-      acc += src[idx[:, j]] * w16[:, j].reshape((-1,) + (1,) * (src.ndim - 1))
-  out = np.clip(acc >> prec, 0, 255).astype(np.uint8)
-  return np.moveaxis(out, 0, axis)
+    if w16[:, j].any():  # gather along the axis in place (no transposed copies), exact int32
+      np.multiply(np.take(img, idx[:, j], axis=axis), w16[:, j].reshape(bcast), out=tap)
+      acc += tap
+  acc >>= prec
+  return np.clip(acc, 0, 255).astype(np.uint8)
 
 
 def resize_bilinear_uint8(img: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
@@ -227,11 +260,7 @@ def preprocess_image(image, cfg: VisionPreprocessConfig = VisionPreprocessConfig
   t = cfg.tile_size
   hw = img.shape[:2]
   canvas = best_fit(hw, supported_resolutions(cfg.max_tiles, t), cfg.resize_to_max_canvas)
-  if cfg.resize_to_max_canvas:
-    limit = canvas
-  else:  # upscale at most to one tile
-    limit = (min(max(hw[0], t), canvas[0]), min(max(hw[1], t), canvas[1]))
-  nh, nw = (max(v, 1) for v in _max_res_without_distortion(hw, limit))
+  nh, nw = _resize_target(hw, canvas, t, cfg.resize_to_max_canvas)
   resized = resize_bilinear_uint8(img, nh, nw)
   padded = np.zeros(canvas + (3,), np.uint8)
   padded[:nh, :nw] = resized
