@@ -194,13 +194,16 @@ def kernels_value(flag) -> str | None:
 
 
 def define_kv_cache_flag():
-  """--kv_cache of convert_hf.py / generate.py: the FP8 KV cache of a ModelOpt checkpoint."""
+  """--kv_cache of the scripts that read checkpoints: the KV cache of a ModelOpt checkpoint."""
   return flags.DEFINE_enum(
-      "kv_cache", None, ["fp8_static", "fp8"],
-      "NVIDIA ModelOpt FP8 checkpoints with kv_cache_quant_algo FP8 only: quantize the KV cache "
-      "with the checkpoint's per-layer k/v scales (fp8_static, the default, as TensorRT-LLM and "
-      "vLLM run it; no per-token scale arrays) or with a scale per token and KV head computed at "
-      "run time (fp8; the checkpoint's k/v scales are then dropped).")
+      "kv_cache", None, ["fp8_static", "fp8", "bf16"],
+      "KV cache of an NVIDIA ModelOpt FP8 checkpoint (default: fp8_static when it sets "
+      "kv_cache_quant_algo FP8, as TensorRT-LLM and vLLM run it by default). fp8_static: e4m3 "
+      "with the checkpoint's per-layer k/v scales, no per-token scale arrays; fp8: e4m3 with a "
+      "scale per token and KV head computed at run time; bf16: unquantized, in the model dtype "
+      "(--dtype; vLLM's --kv-cache-dtype bfloat16), for accuracy comparisons. fp8 and bf16 drop "
+      "the checkpoint's k/v scales. Other sources take bf16 as what they are; a converted "
+      "checkpoint keeps the cache it was converted with.")
 
 
 def define_check_finite_flag():

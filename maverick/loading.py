@@ -13,6 +13,7 @@ from maverick import sharding as sharding_lib
 from maverick import tokenizer as tokenizer_lib
 from maverick.checkpoint import store
 from maverick.checkpoint.hf import CheckpointError
+from maverick.quant import config as quant_config
 from maverick.quant import convert as quant_convert
 from maverick.vision import model as vision_lib
 
@@ -60,7 +61,10 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
   quant: a `maverick.quant.QuantConfig` to quantize a BF16 model to FP8 after loading (FP8
   checkpoints need none: their quantization is recorded in them).
   kv_cache: for a ModelOpt FP8 Hugging Face directory, "fp8_static" (default when it sets
-  kv_cache_quant_algo FP8: its per-layer k/v scales) or "fp8" (per-token scales at run time).
+  kv_cache_quant_algo FP8: its per-layer k/v scales), "fp8" (per-token scales at run time) or
+  "bf16" (unquantized, in the model's dtype, the checkpoint's k/v scales dropped: `dtype`, so
+  float32 with dtype="float32"). Every other source takes "bf16" as what it already is; a
+  converted checkpoint keeps the format it was converted with (scripts/convert_hf.py --kv_cache).
 
   source:
     - "tiny" (the default): the embedded model trained on the Python standard library
@@ -89,7 +93,15 @@ def load(source: str = DEFAULT_MODEL, *, dtype: str | None = None, mesh=None,
 
 def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_finite,
           kv_cache, vision=False) -> Loaded:
-  if kv_cache is not None and (source in EMBEDDED or source.startswith(RANDOM_PREFIX)):
+  if kv_cache is not None and kv_cache not in quant_config.KV_CHOICES:
+    raise CheckpointError(f"kv_cache={kv_cache!r}: use one of {quant_config.KV_CHOICES} (None: "
+                          "the checkpoint's own)")
+  bf16_kv = kv_cache == quant_config.UNQUANTIZED_KV
+  if bf16_kv and quant is not None and quant.kv_cache is not None:
+    raise CheckpointError(f"kv_cache='bf16' contradicts quant's kv_cache {quant.kv_cache!r}; "
+                          "pass one of them")
+  if (kv_cache is not None and not bf16_kv
+      and (source in EMBEDDED or source.startswith(RANDOM_PREFIX))):
     raise CheckpointError(f"kv_cache={kv_cache!r} applies to ModelOpt FP8 checkpoints; {source} "
                           "is not one")
   if vision and (source in EMBEDDED or source.startswith(RANDOM_PREFIX)):
@@ -124,9 +136,13 @@ def _load(source, *, dtype, mesh, rules, seed, moe_impl, layout, quant, check_fi
                             "or repo id (owner/name), "
                             f"or random:<preset> (presets: {', '.join(sorted(config_lib.PRESETS))})")
   if store.is_orbax_checkpoint(source) and kv_cache is not None:
-    raise CheckpointError(f"kv_cache={kv_cache!r} is chosen when a ModelOpt checkpoint is read or "
-                          f"converted; {source} is converted already (rerun scripts/convert_hf.py "
-                          "with --kv_cache)")
+    recorded = (store.read_meta(source).get("config", {}).get("quant") or {}).get("kv_cache")
+    if not (bf16_kv and recorded is None):  # "bf16" is what its cache is already
+      raise CheckpointError(
+          f"kv_cache={kv_cache!r} is chosen when a ModelOpt checkpoint is read or converted; "
+          f"{source} is converted already, with kv_cache {recorded or 'bf16'!r} (rerun "
+          "scripts/convert_hf.py with --kv_cache)")
+    kv_cache = None
   if store.is_orbax_checkpoint(source) and mesh is not None:
     model = store.load_orbax_sharded(source, mesh, layout, dtype=dtype, moe_impl=moe_impl,
                                      vision=vision)

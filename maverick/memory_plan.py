@@ -15,10 +15,10 @@ FP8 ModelOpt (`quant="fp8-modelopt"`, NVIDIA's record checkpoint as maverick imp
 FP8 weights (the per-tensor weight scale is broadcast to our per-output-channel f32 scales), plus one
 static f32 input scale per quantized weight; router, lm_head and embeddings stay BF16.
 
-KV cache (`kv_cache`): None counts it in the model dtype; "fp8" in e4m3 plus an f32 scale per token
-and kv head; "fp8_static" in e4m3 alone, with two f32 scalars per layer in the weights (ModelOpt's
-k/v scales; what maverick loads a ModelOpt checkpoint with `kv_cache_quant_algo: FP8` as). The draft
-head's cache stays in the model dtype.
+KV cache (`kv_cache`): "bf16" (or None) counts it unquantized, in the model dtype; "fp8" in e4m3
+plus an f32 scale per token and kv head; "fp8_static" in e4m3 alone, with two f32 scalars per layer
+in the weights (ModelOpt's k/v scales; what maverick loads a ModelOpt checkpoint with
+`kv_cache_quant_algo: FP8` as). The draft head's cache stays in the model dtype.
 
 Draft (`nvidia_eagle3(cfg)`): NVIDIA's EAGLE-3 head for Maverick as published facts describe it
 (research/nvidia_checkpoints.md): BF16, fc 3*hidden -> hidden, one decoder layer with the target's
@@ -166,10 +166,10 @@ def merge_quantized(graphdef, state, scales: dict, dtype):
 
 def with_kv_cache(cfg: Config, kv_cache: str | None) -> Config:
   """`cfg` whose KV cache (and static KV scales) follow `kv_cache`; weights are planned apart."""
-  if kv_cache is None:
+  if kv_cache in (None, quant_config.UNQUANTIZED_KV):
     return cfg
   if kv_cache not in quant_config.KV_FORMATS:
-    raise ValueError(f"kv_cache {kv_cache!r}: use one of {quant_config.KV_FORMATS} or None")
+    raise ValueError(f"kv_cache {kv_cache!r}: use one of {quant_config.KV_CHOICES} or None")
   return cfg.replace(quant=quant_config.QuantConfig(weights=None, kv_cache=kv_cache))
 
 
@@ -369,12 +369,13 @@ class LengthMix:
 
 def kv_token_bytes(cfg: Config, tensor: int, kv_cache: str | None) -> int:
   """Bytes one layer's K and V take per token on one device, KV heads split over `tensor`: the
-  model dtype, or e4m3 plus an f32 scale per KV head ("fp8"), or e4m3 alone ("fp8_static")."""
+  model dtype ("bf16" or None), or e4m3 plus an f32 scale per KV head ("fp8"), or e4m3 alone
+  ("fp8_static")."""
   heads = cfg.num_key_value_heads // tensor
-  if kv_cache is None:
+  if kv_cache in (None, quant_config.UNQUANTIZED_KV):
     return 2 * heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
   if kv_cache not in quant_config.KV_FORMATS:
-    raise ValueError(f"kv_cache {kv_cache!r}: use one of {quant_config.KV_FORMATS} or None")
+    raise ValueError(f"kv_cache {kv_cache!r}: use one of {quant_config.KV_CHOICES} or None")
   return 2 * heads * (cfg.head_dim + (4 if kv_cache == "fp8" else 0))
 
 
@@ -434,7 +435,7 @@ def serving_weight_bytes(cfg: Config, plan: sharding.Plan, quant: str, draft_con
 
 def plan_serving(cfg: Config, *, tensor: int, weight_bytes: int, mix: LengthMix, slack: int,
                  draft_config=None, block: int = 64, reserve_bytes: float = 8 * GB,
-                 kv_caches=(None, "fp8"), hbm=DEVICES_HBM) -> list[ServingRow]:
+                 kv_caches=("bf16", "fp8"), hbm=DEVICES_HBM) -> list[ServingRow]:
   """Concurrent requests that fit the HBM left after weights and `reserve_bytes`, per device and
   KV format, for the contiguous (max_seq_len = mix.cap), paged and paged + chunk-local layouts.
   `slack`: positions a round writes past the committed length (K + 1, a tree's cache slack). The
@@ -450,12 +451,14 @@ def plan_serving(cfg: Config, *, tensor: int, weight_bytes: int, mix: LengthMix,
   rows = []
   for kv in kv_caches:
     per_layer = kv_token_bytes(cfg, tensor, kv)
+    unquantized = kv in (None, quant_config.UNQUANTIZED_KV)
+    kv_label = cfg.dtype.replace("bfloat16", "bf16") if unquantized else kv
     g, c = n_global * per_layer + draft_tok, n_chunked * per_layer
     for device, h in hbm.items():
       free = h - weight_bytes - reserve_bytes
       fit = lambda per_request: max(int(free // per_request), 0)
       rows.append(ServingRow(
-          device, kv or cfg.dtype.replace("bfloat16", "bf16"), h, weight_bytes, reserve_bytes,
+          device, kv_label, h, weight_bytes, reserve_bytes,
           g, c, fit(contiguous_len * (g + c)), fit(paged_blocks * block * (g + c)),
           fit(block * (paged_blocks * g + local_blocks * c))))
   return rows

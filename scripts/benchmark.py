@@ -74,6 +74,7 @@ _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", None, "If set, writes a jax.profiler trace of the timed phase here (open with "
     "TensorBoard / XProf or Perfetto).")
 _KERNELS = cli.define_kernels_flag()
+_KV_CACHE = cli.define_kv_cache_flag()
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
 
 
@@ -377,7 +378,7 @@ def main(argv):
   start = time.perf_counter()
   try:
     loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value,
-                           kernels=cli.kernels_value(_KERNELS))
+                           kernels=cli.kernels_value(_KERNELS), kv_cache=_KV_CACHE.value)
     if loaded.tokenizer is None:
       raise cli.UsageError(f"{_CHECKPOINT.value} has no tokenizer.json (needed to encode the "
                            "held-out prompts); copy the model's tokenizer files next to it")

@@ -36,8 +36,9 @@ _RECIPE = flags.DEFINE_enum("recipe", "maverick", sorted(RECIPES),
                             "official FP8 checkpoint), 'all_linears' = every linear but the router.")
 _ACTIVATIONS = flags.DEFINE_enum("activations", "dynamic_per_token", ["dynamic_per_token", "none"],
                                  "Activation quantization of the in-memory FP8 model.")
-_KV_CACHE = flags.DEFINE_enum("kv_cache", "none", ["none", "fp8"], "KV cache of the in-memory FP8 "
-                               "model (fp8: e4m3 with a scale per token and kv head).")
+_KV_CACHE = flags.DEFINE_enum("kv_cache", "bf16", ["bf16", "fp8"], "KV cache of the in-memory "
+                               "FP8 model (bf16: unquantized, in the model dtype; fp8: e4m3 with "
+                               "a scale per token and kv head).")
 _DRAFT = flags.DEFINE_string("draft", "tiny", "EAGLE-3 draft for the acceptance-length check "
                              "('tiny' = the embedded draft; 'none' to skip).")
 _SPEC_K = flags.DEFINE_integer("spec_k", 3, "Draft tokens per speculative round.")
@@ -84,7 +85,7 @@ def main(argv):
       recipe = f"checkpoint {_FP8_CHECKPOINT.value}"
     else:
       qc = quant.QuantConfig(activations=_ACTIVATIONS.value, skip=RECIPES[_RECIPE.value],
-                             kv_cache=None if _KV_CACHE.value == "none" else "fp8")
+                             kv_cache=_KV_CACHE.value)
       test_model = quant.quantize_model(ref.model, qc)
       recipe = _RECIPE.value
     if ref.tokenizer is None or not hasattr(ref.tokenizer, "hf_tokenizer"):

@@ -29,6 +29,7 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", 512, "Window length in tokens.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Windows per device call.")
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                            "Compute dtype. Default: the checkpoint's.")
+_KV_CACHE = cli.define_kv_cache_flag()
 _BASELINE = flags.DEFINE_bool("unigram_baseline", True, "Also report a unigram byte model fit on "
                               "the train split of the same folder.")
 
@@ -52,7 +53,7 @@ def main(argv):
     if not files:
       raise data.CorpusError(f"no {_SUFFIX.value} files in the {_SPLIT.value!r} split of {root}")
     texts = data.read_texts(root, files)
-    loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value)
+    loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, kv_cache=_KV_CACHE.value)
     if loaded.tokenizer is None or not hasattr(loaded.tokenizer, "hf_tokenizer"):
       raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json to tokenize text with")
     if _SEQ_LEN.value < 1 or _BATCH.value < 1:

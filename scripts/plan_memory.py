@@ -42,10 +42,11 @@ _QUANT = flags.DEFINE_enum(
     "(FP8 weights, per-channel f32 scales, a static f32 input scale per weight; router, lm_head "
     "and embeddings BF16).")
 _KV_CACHE = flags.DEFINE_enum(
-    "kv_cache", "auto", ["auto", "none", "fp8", "fp8_static"],
-    "KV cache format. auto: fp8_static with --quant fp8-modelopt (how maverick loads a ModelOpt "
-    "checkpoint with kv_cache_quant_algo FP8), none otherwise. none: the model dtype; fp8: e4m3 "
-    "plus an f32 scale per token and KV head; fp8_static: e4m3 with per-layer scalar scales.")
+    "kv_cache", "auto", ["auto", "bf16", "fp8", "fp8_static"],
+    "KV cache format. auto: what maverick.load picks, fp8_static with --quant fp8-modelopt (a "
+    "ModelOpt checkpoint with kv_cache_quant_algo FP8), bf16 otherwise. bf16: unquantized, in "
+    "the model dtype (--dtype), no scales (generate.py --kv_cache bf16); fp8: e4m3 plus an f32 "
+    "scale per token and KV head; fp8_static: e4m3 with per-layer scalar scales.")
 _DRAFT = flags.DEFINE_enum(
     "draft", "nvidia-eagle3", ["nvidia-eagle3"],
     "Draft head of the speculative round: NVIDIA's EAGLE-3 head for the target (BF16, full "
@@ -181,9 +182,8 @@ def run(cfg, sizes: dict[str, int]) -> str:
   plan = sharding.Plan(mesh, _LAYOUT.value)
   kv_cache = _KV_CACHE.value
   if kv_cache == "auto":
-    kv_cache = "fp8_static" if _QUANT.value == "fp8-modelopt" else "none"
-  kw = dict(batch=_BATCH.value, context=_CONTEXT.value, quant=_QUANT.value,
-            kv_cache=None if kv_cache == "none" else kv_cache)
+    kv_cache = "fp8_static" if _QUANT.value == "fp8-modelopt" else "bf16"
+  kw = dict(batch=_BATCH.value, context=_CONTEXT.value, quant=_QUANT.value, kv_cache=kv_cache)
   reports = [memory_plan.plan_decode_step(cfg, plan, **kw)]
   if _SPEC_K.value:
     reports.append(memory_plan.plan_spec_round(cfg, plan, k=_SPEC_K.value,
@@ -192,7 +192,7 @@ def run(cfg, sizes: dict[str, int]) -> str:
     reports.append(memory_plan.plan_vision_prefill(_vision_config(), plan,
                                                    tiles=_VISION_TILES.value))
   mesh_desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
-  kv_desc = cfg.dtype if kv_cache == "none" else kv_cache
+  kv_desc = f"unquantized {cfg.dtype}" if kv_cache == "bf16" else kv_cache
   title = (f"{_CONFIG.value} {_QUANT.value}, KV cache {kv_desc}, layout {_LAYOUT.value} "
            f"({mesh_desc}), context {_CONTEXT.value} x batch {_BATCH.value}, per device:")
   text = memory_plan.format_reports(title, reports)

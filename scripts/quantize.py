@@ -27,8 +27,9 @@ _ACTIVATIONS = flags.DEFINE_enum(
     "activations", "dynamic_per_token", ["dynamic_per_token", "none"],
     "Activation quantization at run time: per-token dynamic FP8 (FP8 x FP8 GEMMs) or none "
     "(weight-only: BF16 activations).")
-_KV_CACHE = flags.DEFINE_enum("kv_cache", "none", ["none", "fp8"],
-                              "KV cache format recorded in the checkpoint.")
+_KV_CACHE = flags.DEFINE_enum("kv_cache", "bf16", ["bf16", "fp8"],
+                              "KV cache format recorded in the checkpoint (bf16: unquantized, in "
+                              "the model dtype; fp8: e4m3 with a scale per token and KV head).")
 _SKIP = flags.DEFINE_list(
     "skip", ["embed", "lm_head", "router"],
     "Weights kept in BF16: kinds (embed, lm_head, router, attn, mlp, shared, experts) or glob "
@@ -59,7 +60,7 @@ def main(argv):
                     f"({', '.join(sorted(loading.EMBEDDED))})")
   try:
     qc = quant.QuantConfig(weights="fp8", activations=_ACTIVATIONS.value,
-                           kv_cache=None if _KV_CACHE.value == "none" else _KV_CACHE.value,
+                           kv_cache=_KV_CACHE.value,
                            skip=tuple(_SKIP.value))
     out = quant.quantize_checkpoint(src, _OUT_DIR.value, qc, overwrite=_OVERWRITE.value,
                                     progress=_PROGRESS.value)

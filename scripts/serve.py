@@ -45,6 +45,7 @@ _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                            "Compute/parameter dtype. Default: the checkpoint's.")
 _KERNELS = cli.define_kernels_flag()
 _CHECK_FINITE = cli.define_check_finite_flag()
+_KV_CACHE = cli.define_kv_cache_flag()
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: all).")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on, 1..65535 (0: a free one, printed "
                              "in the ready line).")
@@ -185,7 +186,8 @@ def build_server():
   mesh = mesh_flags.mesh_from_flags()
   loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, mesh=mesh,
                          layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),
-                         check_finite=_CHECK_FINITE.value, vision=_VISION.value)
+                         check_finite=_CHECK_FINITE.value, kv_cache=_KV_CACHE.value,
+                         vision=_VISION.value)
   if loaded.tokenizer is None:
     raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json; the server needs one")
   if _SPEC_K.value < 0:

@@ -85,6 +85,17 @@ def test_cli_random_model():
 
 
 @pytest.mark.slow
+def test_cli_kv_cache_bf16_is_accepted():
+  """--kv_cache bf16 (the unquantized cache a ModelOpt checkpoint can be run with) is what every
+  other model's cache is already: accepted, the same greedy text as without it."""
+  args = ["--checkpoint=random:tiny", "--prompt=hello", "--max_new_tokens=4"]
+  plain, bf16 = _run(*args), _run(*args, "--kv_cache=bf16")
+  assert bf16.returncode == 0, bf16.stderr
+  text = lambda r: [l for l in r.stdout.splitlines() if "tokens/s" not in l]
+  assert text(bf16) == text(plain)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("args,words", [
     (["--checkpoint=random:tiny", "--prompt=x", "--top_p=1.5"], ["top_p"]),
     (["--checkpoint=random:tiny", "--prompt=x", "--temperature=-1"], ["temperature"]),

@@ -184,6 +184,17 @@ def test_convert_fp8_checkpoint_records_quant(compressed, compressed_model, tmp_
   assert_same_params(load_orbax(out), compressed_model)
 
 
+def test_bf16_kv_cache_is_a_compressed_tensors_checkpoints_own(compressed, compressed_model):
+  """A compressed-tensors FP8 checkpoint's KV cache is unquantized: kv_cache="bf16" (the name
+  maverick.load and --kv_cache give it) loads the same model; the FP8 formats are ModelOpt's."""
+  model = load_hf(str(compressed[0]), dtype="float32", kv_cache="bf16")
+  assert model.config.quant == compressed_model.config.quant
+  assert model.config.quant.kv_cache is None
+  assert_same_params(model, compressed_model)
+  with pytest.raises(CheckpointError, match="applies to ModelOpt FP8 checkpoints"):
+    load_hf(str(compressed[0]), kv_cache="fp8_static")
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------

@@ -368,6 +368,99 @@ def test_static_kv_scales_survive_convert_and_load(tmp_path, static_kv_dir, stat
                                 np.asarray(static_kv_model(inputs).logits))
 
 
+@pytest.fixture(scope="module")
+def bf16_kv_model(static_kv_dir):
+  """kv_cache="bf16" on the checkpoint with calibrated k/v scales (vLLM's --kv-cache-dtype
+  bfloat16): an unquantized cache, the scales checked and dropped."""
+  return load_hf(str(static_kv_dir), dtype="float32", kv_cache="bf16")
+
+
+def test_bf16_kv_cache_drops_the_checkpoint_scales(bf16_kv_model, static_kv_dir, static_kv, layout,
+                                                   hf_config, hf_fixture):
+  """The weights and activation scales stay FP8 and static; K/V are not quantized: no scale
+  params, a cache of the model dtype (float32 as loaded here, bfloat16 when loaded so) with no
+  scale arrays, and logits equal to the float64 reference with unquantized K/V."""
+  from maverick import kv_cache as kvc
+  qc = bf16_kv_model.config.quant
+  assert (qc.weights, qc.activations, qc.kv_cache) == ("fp8", "static_per_tensor", None)
+  assert not any(k[-1] in model_lib.KV_CACHE_SCALES for k in flat_params(bf16_kv_model))
+  L = hf_config["num_hidden_layers"]
+  for dtype in ("float32", "bfloat16"):
+    model = bf16_kv_model if dtype == "float32" else load_hf(str(static_kv_dir), dtype=dtype,
+                                                             kv_cache="bf16")
+    cache = kvc.KVCache.init(model.config, 2, 16)
+    assert cache.k_scale is None and cache.v_scale is None
+    assert {x.dtype for x in cache.k + cache.v} == {jnp.dtype(dtype)}
+    assert len(jax.tree.leaves(cache)) == 2 * L + 1  # K and V per layer, and the lengths
+  _, ref, input_scales = layout
+  inputs = hf_fixture["inputs"]
+  act = static_act(input_scales)
+  want = np_forward(hf_config, ref, inputs, act=act)
+  got = np.asarray(bf16_kv_model(jnp.asarray(inputs)).logits)
+  rel, top1 = _agreement(got, want)
+  assert rel < 1e-3 and top1 >= 0.98, (rel, top1)  # observed 2e-7 and 1.0
+  scales = static_kv[1]
+  static = np_forward(hf_config, ref, inputs, act=act,
+                      kv=lambda x, kind, i: fake_quant(x, scales[kind][i]))
+  assert _agreement(got, static)[0] > 3e-2, _agreement(got, static)  # observed 7.7e-2
+  # HF's logits (unquantized weights and K/V): with the FP8 weights and activations left as the
+  # only error, nearer than the static FP8 KV cache (observed 9.1e-2 vs 1.0e-1).
+  hf_logits = hf_fixture["logits"]
+  assert _agreement(got, hf_logits)[0] < _agreement(static, hf_logits)[0]
+
+
+@pytest.mark.slow
+def test_bf16_kv_cache_generates_the_reference_tokens(bf16_kv_model, layout, hf_config,
+                                                      hf_fixture):
+  """The jitted generate loop over the unquantized cache: greedy tokens are the float64
+  reference's (unquantized K/V, static activations), recomputed over the whole sequence."""
+  _, ref, input_scales = layout
+  prompt = [int(x) for x in hf_fixture["inputs"][0, :8]]
+  tokens = gen.generate(bf16_kv_model, [prompt], max_new_tokens=6, stop_tokens=[]).tokens[0]
+  seq = list(prompt)
+  for _ in range(6):
+    logits = np_forward(hf_config, ref, np.array([seq]), act=static_act(input_scales))
+    seq.append(int(np.argmax(logits[0, -1])))
+  assert list(tokens) == seq[len(prompt):]
+
+
+@pytest.mark.slow
+def test_bf16_kv_cache_convert_cli_and_load(tmp_path, static_kv_dir, bf16_kv_model):
+  """scripts/convert_hf.py --kv_cache=bf16 records the unquantized cache (no k/v scales stored);
+  loading it with kv_cache="bf16" is what it is already, while a checkpoint converted with the
+  static FP8 cache refuses "bf16" with the way out."""
+  out = tmp_path / "bf16kv"
+  r = _cli(f"--hf_dir={static_kv_dir}", f"--out_dir={out}", "--dtype=float32", "--kv_cache=bf16")
+  assert r.returncode == 0, r.stderr
+  meta = json.loads((out / "maverick.json").read_text())
+  assert meta["config"]["quant"]["kv_cache"] is None
+  loaded = maverick.load(str(out), kv_cache="bf16").model
+  assert_same_params(loaded, bf16_kv_model)
+  static = convert_hf_to_orbax(str(static_kv_dir), str(tmp_path / "static"), dtype="float32",
+                               progress=False)
+  with pytest.raises(CheckpointError, match="with kv_cache 'fp8_static'.*--kv_cache"):
+    maverick.load(static, kv_cache="bf16")
+
+
+def test_bf16_kv_cache_is_other_checkpoints_own(hf_fixture_dir, fixture_model):
+  """A BF16 checkpoint (and the embedded and random models) takes kv_cache="bf16" as what its
+  cache is; the FP8 formats stay ModelOpt-only, and an unknown name lists the choices."""
+  model = load_hf(str(hf_fixture_dir), dtype="float32", kv_cache="bf16")
+  assert model.config.quant is None
+  assert_same_params(model, fixture_model)
+  assert quant.QuantConfig(kv_cache="bf16") == quant.QuantConfig(kv_cache=None)
+  for source in ("tiny", "random:tiny"):
+    assert maverick.load(source, kv_cache="bf16").model.config.quant is None
+  with pytest.raises(CheckpointError, match="not one"):
+    load_hf(str(hf_fixture_dir), kv_cache="fp8")
+  for source in (str(hf_fixture_dir), "random:tiny"):
+    with pytest.raises(CheckpointError,
+                       match=r"kv_cache='auto': use one of \('bf16', 'fp8', 'fp8_static'\)"):
+      maverick.load(source, kv_cache="auto")
+  with pytest.raises(CheckpointError, match="contradicts quant's kv_cache 'fp8'"):
+    maverick.load("random:tiny", kv_cache="bf16", quant=quant.QuantConfig(kv_cache="fp8"))
+
+
 @pytest.mark.slow
 def test_generate_with_imported_model(static_kv_model, hf_fixture):
   """The jitted generate loop over the static FP8 KV cache: greedy tokens equal recomputing the

@@ -61,19 +61,21 @@ def test_fp8_weights_take_a_byte_plus_scales():
 
 @pytest.mark.slow
 def test_kv_cache_formats_counted_by_hand():
-  """Per-device KV bytes: the model dtype (bf16) 2 bytes a value; "fp8" 1 byte plus an f32 scale
-  per token and KV head; "fp8_static" (ModelOpt k/v scales) 1 byte and no per-token scales, its
-  two f32 scalars per layer counted with the weights."""
+  """Per-device KV bytes: the model dtype (bf16; None or "bf16") 2 bytes a value, no scales;
+  "fp8" 1 byte plus an f32 scale per token and KV head; "fp8_static" (ModelOpt k/v scales) 1 byte
+  and no per-token scales, its two f32 scalars per layer counted with the weights."""
   cfg = config_lib.tiny(dtype="bfloat16")
   plan = sharding.Plan(sharding.make_mesh(data=2, tensor=2, devices=jax.devices()[:4]), "tp")
   B, S = 4, 128
   L, K, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
   r = {kv: memory_plan.plan_decode_step(cfg, plan, batch=B, context=S, quant="fp8-modelopt",
-                                        kv_cache=kv) for kv in (None, "fp8", "fp8_static")}
+                                        kv_cache=kv)
+       for kv in (None, "bf16", "fp8", "fp8_static")}
   rows, heads = B // 2, K // 2  # rows over data=2, KV heads over tensor=2
   values = 2 * L * rows * S * heads * Dh  # K and V, every layer
   lengths = rows * 4
-  assert r[None].kv_bytes == 2 * values + lengths
+  assert r[None].kv_bytes == r["bf16"].kv_bytes == 2 * values + lengths
+  assert r["bf16"].weight_bytes == r[None].weight_bytes
   assert r["fp8"].kv_bytes == values + 2 * L * rows * S * heads * 4 + lengths
   assert r["fp8_static"].kv_bytes == values + lengths
   assert r["fp8_static"].weight_bytes == r[None].weight_bytes + 2 * L * 4
@@ -100,6 +102,25 @@ def test_script_reduced_config(tmp_path):
                                                    "vision (5 tiles)"]
   assert all(r["total_bytes"] > r["kv_bytes"] > 0 for r in data["reports"][:2])
   assert data["reports"][2]["weight_bytes"] > 0 == data["reports"][2]["kv_bytes"]
+
+
+@pytest.mark.slow
+def test_script_bf16_kv_cache_of_a_modelopt_checkpoint(tmp_path):
+  """--quant fp8-modelopt --kv_cache bf16 (a ModelOpt checkpoint run with generate.py --kv_cache
+  bf16): K and V 2 bytes a value, no scales, against the default fp8_static's 1 byte."""
+  cfg = config_lib.tiny(dtype="bfloat16")
+  L, K, Dh = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+  B, S = 2, 64
+  kv_bytes = {}
+  for kv in ("bf16", "auto"):
+    out = tmp_path / f"{kv}.json"
+    p = _run("--config", "tiny", "--mesh", "2", "--quant", "fp8-modelopt", "--kv_cache", kv,
+             "--context", str(S), "--batch", str(B), "--spec_k", "0", "--json_out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    data = json.loads(out.read_text())
+    kv_bytes[data["kv_cache"]] = data["reports"][0]["kv_bytes"]
+  values = 2 * L * B * S * (K // 2) * Dh  # K and V, every layer, KV heads over tensor=2
+  assert kv_bytes == {"bf16": 2 * values + B * 4, "fp8_static": values + B * 4}
 
 
 @pytest.mark.slow
@@ -252,7 +273,7 @@ def test_serving_plan_by_hand():
   hbm = {"X": 10 * G, "Y": 3 * G}
   rows = memory_plan.plan_serving(cfg, tensor=2, weight_bytes=G, mix=mix, slack=4,
                                   draft_config=dcfg, block=8, reserve_bytes=0.5 * G,
-                                  kv_caches=(None, "fp8", "fp8_static"), hbm=hbm)
+                                  kv_caches=("bf16", "fp8", "fp8_static"), hbm=hbm)
   assert [(r.device, r.kv_cache) for r in rows] == [
       ("X", "bf16"), ("Y", "bf16"), ("X", "fp8"), ("Y", "fp8"), ("X", "fp8_static"),
       ("Y", "fp8_static")]

@@ -16,7 +16,8 @@ quant_utils.py) and TensorRT-LLM / vLLM / SGLang read it:
   * `self_attn.k_proj.k_scale` / `v_proj.v_scale`: static KV-cache scales (amax / 448, clamped to
     >= 1 by the exporter). By default they become the per-layer scalars of the "fp8_static" KV
     cache (as TensorRT-LLM and vLLM run them: no per-token scale arrays); `kv_cache="fp8"` keeps
-    the dynamic per-token-and-head scales instead, and the checkpoint's are validated and dropped.
+    the dynamic per-token-and-head scales instead, `kv_cache="bf16"` an unquantized cache in the
+    model dtype (vLLM's `--kv-cache-dtype bfloat16`); both check the checkpoint's, then drop them.
   * Modules matching an `exclude_modules` wildcard (router, lm_head, vision tower, ...) stay BF16.
 A per-tensor scale becomes our per-output-channel scale broadcast (exact). Everything is checked
 from the headers before any data is read; each mismatch is one CheckpointError naming the tensor.
@@ -203,8 +204,9 @@ def plan(ckpt: hf.SafetensorsCheckpoint, cfg: config_lib.Config, mo: ModelOptCon
   `quant`, read plan). activations: "static_per_tensor" (default: the checkpoint's calibrated
   input scales, as TensorRT-LLM / vLLM run it), or "dynamic_per_token" / "none" (input scales
   are validated, then dropped). kv_cache: "fp8_static" (default when the checkpoint sets
-  kv_cache_quant_algo FP8: its k_scale / v_scale per layer) or "fp8" (per-token scales computed
-  at run time; the checkpoint's are validated, then dropped)."""
+  kv_cache_quant_algo FP8: its k_scale / v_scale per layer), "fp8" (per-token scales computed
+  at run time) or "bf16" (unquantized, in the model dtype); with the last two the checkpoint's
+  k/v scales are validated, then dropped."""
   _check_algos(mo)
   activations = activations or "static_per_tensor"
   if activations not in quant_config.ACTIVATION_MODES:
@@ -301,8 +303,10 @@ def _kv_cache_mode(mo: ModelOptConfig, kv_cache: str | None) -> str | None:
   """The KV-cache format to run: the checkpoint's static scales by default, or the choice."""
   if kv_cache is None:
     return "fp8_static" if mo.kv_cache_quant_algo == "FP8" else None
-  if kv_cache not in quant_config.KV_FORMATS:
-    raise CheckpointError(f"kv_cache {kv_cache!r}: use one of {quant_config.KV_FORMATS}")
+  if kv_cache not in quant_config.KV_CHOICES:
+    raise CheckpointError(f"kv_cache {kv_cache!r}: use one of {quant_config.KV_CHOICES}")
+  if kv_cache == quant_config.UNQUANTIZED_KV:  # the k/v scales are checked, then dropped
+    return None
   if kv_cache == "fp8_static" and mo.kv_cache_quant_algo != "FP8":
     raise CheckpointError(f"kv_cache 'fp8_static' needs the checkpoint's k_scale / v_scale, but "
                           f"{mo.source} sets no kv_cache_quant_algo FP8; use kv_cache 'fp8' "

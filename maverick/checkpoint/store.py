@@ -31,6 +31,7 @@ from maverick import config as config_lib
 from maverick import model as model_lib
 from maverick import sharding as sharding_lib
 from maverick import weights
+from maverick.quant import config as quant_config
 from maverick.vision import model as vision_lib
 from maverick.checkpoint import hf, hf_fp8, hf_modelopt, hf_vision
 from maverick.checkpoint.parts import full_path, part_key, part_of
@@ -212,8 +213,9 @@ def convert_hf_to_orbax(hf_dir: str, out_dir: str, *, dtype: str | None = None,
   tensor is checked for NaN/inf as it streams through (`check_finite=False` skips that).
   activations: for a ModelOpt FP8 checkpoint, "static_per_tensor" (default: its calibrated input
   scales) or "dynamic_per_token" (see hf_modelopt.plan); other checkpoints refuse it.
-  kv_cache: likewise, "fp8_static" (default with kv_cache_quant_algo FP8: its k/v scales) or "fp8"
-  (per-token scales at run time).
+  kv_cache: likewise, "fp8_static" (default with kv_cache_quant_algo FP8: its k/v scales), "fp8"
+  (per-token scales at run time) or "bf16" (unquantized, in the model dtype: the k/v scales are
+  dropped); "bf16" is accepted for every checkpoint (the others' cache is unquantized already).
   """
   cfg = config_lib.from_hf(hf_dir, dtype=dtype)
   ckpt = hf.SafetensorsCheckpoint(hf_dir, check_finite=check_finite)
@@ -397,9 +399,13 @@ def iter_orbax_parts(path: str, cfg: config_lib.Config | None = None):
 
 def _modelopt(hf_dir: str, ckpt: hf.SafetensorsCheckpoint, activations: str | None,
               kv_cache: str | None = None):
+  if kv_cache is not None and kv_cache not in quant_config.KV_CHOICES:
+    raise hf.CheckpointError(f"kv_cache={kv_cache!r}: use one of {quant_config.KV_CHOICES}")
   mo = hf_modelopt.detect(hf_dir)
   if mo is None:
     hf_modelopt.check_unconfigured(ckpt, hf_dir)
+  if kv_cache == quant_config.UNQUANTIZED_KV:
+    kv_cache = None  # what every other checkpoint's KV cache is already
   for name, value in (("activations", activations), ("kv_cache", kv_cache)):
     if mo is None and value is not None:
       raise hf.CheckpointError(f"{name}={value!r} applies to ModelOpt FP8 checkpoints; "

@@ -19,6 +19,11 @@ ACTIVATION_MODES = ("none", "dynamic_per_token", "static_per_tensor")
 # "fp8_static": e4m3 with one calibrated scale per layer for K and one for V (ModelOpt's k_scale /
 # v_scale, as TensorRT-LLM and vLLM run them), no per-token scale arrays in the cache.
 KV_FORMATS = ("fp8", "fp8_static")
+# The unquantized cache where a KV cache is chosen (maverick.load, --kv_cache, QuantConfig): K/V in
+# the model's dtype (bf16 for every released checkpoint; float32 if the model is loaded in float32),
+# no scales. A QuantConfig records it as kv_cache None. vLLM's `--kv-cache-dtype bfloat16`.
+UNQUANTIZED_KV = "bf16"
+KV_CHOICES = (UNQUANTIZED_KV,) + KV_FORMATS
 DEFAULT_SKIP = ("embed", "lm_head", "router")
 
 
@@ -37,7 +42,8 @@ class QuantConfig:
   kv_cache: "fp8" (e4m3 with a scale per token and kv head, computed at run time), "fp8_static"
   (e4m3 with one scalar scale per layer for K and one for V, stored as the attention's
   `k_cache_scale` / `v_cache_scale`; such a model comes from a ModelOpt checkpoint, never from
-  `quantize_model`) or None.
+  `quantize_model`) or None (unquantized, in the model dtype; "bf16" is accepted as its name and
+  stored as None).
   activation_scale_ub: optional upper bound on a row's max |x| before scaling (fbgemm uses 1200).
   """
 
@@ -54,9 +60,11 @@ class QuantConfig:
     if self.activations not in ACTIVATION_MODES:
       raise QuantConfigError(f"quant activations {self.activations!r} is not supported; use one "
                              f"of {ACTIVATION_MODES}")
+    if self.kv_cache == UNQUANTIZED_KV:
+      object.__setattr__(self, "kv_cache", None)
     if self.kv_cache is not None and self.kv_cache not in KV_FORMATS:
       raise QuantConfigError(f"quant kv_cache {self.kv_cache!r} is not supported; use one of "
-                             f"{KV_FORMATS} or None")
+                             f"{KV_CHOICES} or None")
     if isinstance(self.skip, str):
       raise QuantConfigError(f"quant skip must be a list of names, got the string {self.skip!r}")
     object.__setattr__(self, "skip", tuple(str(s) for s in self.skip))
