@@ -22,7 +22,8 @@ pytest.importorskip("prometheus_client")
 from maverick import loading  # noqa: E402
 from maverick import tokenizer as tokenizer_lib  # noqa: E402
 from maverick.serving.engine import Event, RequestError  # noqa: E402
-from maverick.serving.server import INLINE_TOKENIZE_BYTES, Server, create_app  # noqa: E402
+from maverick.serving.server import (INLINE_TOKENIZE_BYTES, Detokenizer, Server,  # noqa: E402
+                                     create_app)
 from param_utils import http_exchange, http_head  # noqa: E402
 
 LIMIT = 100_000  # --max_request_bytes of the app under test
@@ -295,6 +296,72 @@ def test_stop_token_ids_join_the_end_of_sequence_ids(app_server, ignore_eos):
   assert (c["text"], c["token_ids"], c["finish_reason"]) == (tok.decode(ids[:k - 1]), ids[:k],
                                                              "stop")
   assert answer["usage"]["completion_tokens"] == k
+
+
+# min_tokens and stop strings (vLLM's rule): an occurrence counts only if it ends after the text of
+# the first min_tokens tokens; one that starts inside that text and ends after it counts. The stub
+# repeats REPEAT's three tokens "import", " sys", "\n" (events of STEP = 3 tokens), so the expected
+# cut points below are read off "import sys\nimport sys\nimport sys\n..." by hand.
+REPEAT = "import sys\n"
+MIN_TOKENS_CASES = [  # (stop, min_tokens, include_stop_str_in_output, text, completion tokens)
+    # " sys" is token 2 (< 4): ordinary text; the one token 5 completes stops.
+    ("sys", 4, False, "import sys\nimport ", 5),
+    ("sys", 4, True, "import sys\nimport sys", 5),
+    # "sys" ends exactly with the first 2 tokens' text: not after it, so it does not count.
+    ("sys", 2, False, "import sys\nimport ", 5),
+    ("sys", 1, False, "import ", 2),  # token 2 is past min_tokens 1
+    # Starts in token 5 (" sys"), ends in token 7 ("import"): counts, token 7 ends the output.
+    ("s\nim", 5, False, "import sys\nimport sy", 7),
+    ("s\nim", 5, True, "import sys\nimport sys\nim", 7),
+    # Every occurrence before max_tokens (9) ends within the first 9 tokens: "length", all text.
+    ("sys", 9, False, "import sys\n" * 3, 9),
+]
+
+
+def _repeat_ids(tok):
+  ids = tok.encode(REPEAT, add_bos=False)
+  assert [tok.decode([t]) for t in ids] == ["import", " sys", "\n"]
+  return ids
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("stop,min_tokens,include,want,k", MIN_TOKENS_CASES, ids=[
+    f"{s!r}-min{m}{'-include' if i else ''}" for s, m, i, _, _ in MIN_TOKENS_CASES])
+def test_min_tokens_holds_back_stop_strings(app_server, stream, stop, min_tokens, include, want,
+                                            k):
+  """Before: the first occurrence stopped the output whatever min_tokens said ("sys", 4 gave
+  "import ", 2 tokens)."""
+  ids = _repeat_ids(app_server.tok.tok) * 3
+  body = {"prompt": ids[:3], "max_tokens": 9, "stop": stop, "min_tokens": min_tokens,
+          "include_stop_str_in_output": include, "return_token_ids": True}
+  if stream:
+    chunks = _stream(app_server, dict(body, stream_options={"include_usage": True}))
+    got, usage = _joined(chunks)[0], chunks[-1]["usage"]
+  else:
+    answer = _post(app_server, body).json()
+    c, usage = answer["choices"][0], answer["usage"]
+    got = (c["text"], c["token_ids"], c["finish_reason"])
+  assert got == (want, ids[:k], "stop" if k < 9 else "length")
+  assert usage == {"prompt_tokens": 3, "completion_tokens": k, "total_tokens": 3 + k}
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4, 9], ids=lambda n: f"{n}_per_push")
+def test_detokenizer_min_tokens_whatever_the_pushes(app_server, chunk):
+  """Speculative rounds hand the detokenizer 1 to K+1 tokens at a time: the cut is the same.
+  The text shown along the way never holds what the final answer drops."""
+  tok = app_server.tok.tok
+  ids = _repeat_ids(tok) * 3
+  for stop, min_tokens, include, want, k in MIN_TOKENS_CASES:
+    d = Detokenizer(tok, frozenset(tok.eos_ids), [stop], include, min_tokens=min_tokens)
+    text, toks = "", []
+    for i in range(0, len(ids), chunk):
+      piece, taken = d.push(ids[i:i + chunk], i + chunk >= len(ids))
+      assert want.startswith(text + piece), (stop, min_tokens, text + piece)
+      text, toks = text + piece, toks + taken
+      if d.stopped:
+        break
+    assert (text, toks, d.stopped) == (want, ids[:k], k < 9), (stop, min_tokens, include)
+
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -12,8 +12,9 @@ maverick.serving.params: every name vLLM takes is honoured or refused with 400 n
 have OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 401
 without the API key, 404 for an unknown model, 413 for a body over `max_request_bytes`, 503
 while starting. Stop strings are matched on the decoded text here (the output, usage and logprobs
-end at the token that completes one); end-of-sequence and stop_token_ids stop on device. Logprobs
-are formatted in maverick.serving.logprobs.
+end at the token that completes one; min_tokens holds them back as vLLM does: see Detokenizer);
+end-of-sequence and stop_token_ids stop on device. Logprobs are formatted in
+maverick.serving.logprobs.
 
 The event loop never waits on a large prompt: bodies are counted while they arrive (refused past the
 limit, never buffered whole) and long texts are tokenized in a worker thread. A client that leaves
@@ -122,13 +123,27 @@ class Server:
 class Detokenizer:
   """Incremental text of a growing token list, with stop strings: `push` returns the new text
   that is safe to show (no half character, nothing that may become a stop string) and the tokens
-  that are returned: all, or those up to and including the one that completes a stop string."""
+  that are returned: all, or those up to and including the one that completes a stop string.
+
+  min_tokens holds stop strings back as vLLM does (its detokenizer moves the stop-string search
+  window past the text of the first min_tokens tokens): with m = min_tokens, an occurrence counts
+  only if it ends after the text of the first m tokens, i.e. its last character comes from token
+  m + 1 or later. It may start inside that text: a stop string that starts before token m + 1 and
+  completes at or after it ends the output. Occurrences that end within the first m tokens' text
+  are ordinary text. The output ends at the first token whose text completes a counted occurrence
+  (never one of the first m), so the text and the token count (usage) agree. End-of-sequence and
+  stop token ids are masked on device for the first m tokens (sampling.adjust)."""
 
   def __init__(self, tokenizer, stop_ids, stops: list[str], include_stop: bool = False,
-               skip_special: bool = True):
+               skip_special: bool = True, min_tokens: int = 0):
     self.tok, self.stop_ids, self.stops = tokenizer, stop_ids, stops
     self.include_stop, self.skip_special = include_stop, skip_special
     self.longest = max(map(len, stops), default=0)
+    self.min_tokens = min_tokens
+    self.count = 0  # tokens pushed so far (special and stop tokens too, as min_tokens counts)
+    # Length of the first min_tokens tokens' text (a trailing half character left out: the token
+    # that completes it adds it); None until that many tokens were pushed.
+    self.floor = 0 if min_tokens == 0 else None
     self.ids: list[int] = []
     self.shown = ""
     self.stopped = False
@@ -138,16 +153,23 @@ class Detokenizer:
                            skip_special_tokens=self.skip_special)
 
   def _stop_at(self, text: str):
-    """The earliest stop string in `text` (after what was shown, which holds none): (start, end)."""
+    """The earliest counted stop string in `text` (after what was shown, which holds none that
+    counts, and ending past `floor`): (start, end)."""
     frm = max(0, len(self.shown) - self.longest)
-    hits = [(i, i + len(s)) for s in self.stops for i in [text.find(s, frm)] if i >= 0]
+    hits = [(i, i + len(s)) for s in self.stops
+            for i in [text.find(s, max(frm, self.floor - len(s) + 1))] if i >= 0]
     return min(hits, default=None)
 
   def push(self, tokens: list[int], final: bool) -> tuple[str, list[int]]:
+    before, self.count = self.count, self.count + len(tokens)
+    if self.floor is None and self.count >= self.min_tokens:
+      self.floor = len(self._text(tokens[:self.min_tokens - before]).rstrip("\ufffd"))
     text = self._text(tokens)
-    hit = self._stop_at(text) if self.stops else None
+    checked = self.stops and self.count > self.min_tokens
+    hit = self._stop_at(text) if checked else None
     if hit is not None:  # the first token whose text completes a stop string ends the output
-      k = next(k for k in range(1, len(tokens) + 1)
+      first = max(1, self.min_tokens - before + 1)  # the first min_tokens tokens never do
+      k = next(k for k in range(first, len(tokens) + 1)
                if self._stop_at(self._text(tokens[:k])) is not None)
       tokens = tokens[:k]
       text = self._text(tokens)
@@ -385,7 +407,7 @@ def create_app(server: Server) -> FastAPI:
               **({"images": images} if images else {}))
           server.open_handles[id(handle)] = handle
           detok = Detokenizer(server.tokenizer, handle.stop_ids, o.stops, o.include_stop,
-                              o.skip_special)
+                              o.skip_special, o.engine_kwargs["min_tokens"])
           echo = server.tokenizer.decode(ids, skip_special_tokens=o.skip_special) if o.echo \
               else None
           choices.append(_Choice(i, handle, detok, arrival, list(ids), echo=echo))
