@@ -270,7 +270,7 @@ def _main(argv, compiling: list):
   from tqdm import tqdm
 
   try:
-    server = build_server()
+    server = cli.call_interruptibly(build_server)  # Ctrl-C stops loading at once, mid-compile too
   except (ValueError, FileNotFoundError, CheckpointError, ConfigError, DraftConfigError,
           NotImplementedError, sharding.ShardingError) as e:
     return cli.fail("serve", e)
