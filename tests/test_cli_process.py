@@ -1,5 +1,6 @@
 """The scripts as processes: Ctrl-C in the middle of an XLA compile stops them at once (one line,
-status 130)."""
+status 130), and a start-up compile that fails in scripts/serve.py is reported (log, /health) and
+ends the process with status 1 instead of leaving it at 503 forever."""
 
 import logging
 import pathlib
@@ -9,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 import pytest
 
@@ -21,6 +21,29 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # which are Python and stopped by Ctrl-C either way): a generate loop's takes over 10 s on CPU.
 LOOP_COMPILE = re.compile(r"Finished jaxpr to MLIR module conversion jit\(\w*generate\w*\)")
 STOP_S = 5  # SIGINT to exit; the compile alone takes several times this
+START_TIMEOUT_S = 300  # load and compile on a slow, shared CPU
+
+
+def _start(args, env):
+  """A script whose stderr the test reads; killed after START_TIMEOUT_S whatever it does."""
+  proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  watchdog = threading.Timer(START_TIMEOUT_S, proc.kill)
+  watchdog.daemon = True
+  watchdog.start()
+  return proc
+
+
+def _read_until(proc, pattern, what: str) -> list[str]:
+  """stderr's lines up to the first that matches `pattern` (a failure if the process ends
+  first). The caller then waits for the exit and reads the rest (it fits the pipe):
+  communicate() would miss what this loop's reader has buffered."""
+  seen = []
+  for line in proc.stderr:
+    seen.append(line)
+    if pattern.search(line):
+      return seen
+  pytest.fail(f"the process ended (status {proc.wait()}) before {what}: {''.join(seen)[-3000:]}")
 
 
 def _interrupt_mid_compile(args, trigger, tmp_path, settle=1.0):
@@ -29,24 +52,17 @@ def _interrupt_mid_compile(args, trigger, tmp_path, settle=1.0):
   after the signal)."""
   env = dict(single_device_env(), MAVERICK_CACHE_DIR=str(tmp_path / "cache"), JAX_LOG_COMPILES="1")
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  proc = subprocess.Popen([sys.executable, *args, f"--compile_cache_dir={tmp_path / 'jax'}"],
-                          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
+  proc = _start([*args, f"--compile_cache_dir={tmp_path / 'jax'}"], env)
   try:
-    seen = []
-    for line in proc.stderr:
-      seen.append(line)
-      if trigger.search(line):
-        break
-    else:
-      pytest.fail(f"{args} ended (status {proc.wait()}) before compiling: {''.join(seen)}")
+    _read_until(proc, trigger, "compiling")
     time.sleep(settle)  # inside XLA's C++ compile, where the old scripts did not see SIGINT
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    rest = proc.communicate(timeout=300)[1]
-    return proc.returncode, time.monotonic() - sent, rest
+    proc.wait(timeout=START_TIMEOUT_S)
+    return proc.returncode, time.monotonic() - sent, proc.stderr.read()
   finally:
     proc.kill()
+    proc.stderr.close()
 
 
 def _assert_one_interrupted_line(prog, rest):
@@ -77,7 +93,83 @@ def test_call_interruptibly_returns_raises_and_exits_as_the_function():
   assert cli.run_interruptibly("prog", lambda argv: len(argv), ["prog", "x"]) == 2
 
 
+# --- serve.py: a start-up compile that fails -----------------------------------------------------
+
 SERVE = str(REPO / "scripts" / "serve.py")
+# A paged pool of 2^20 blocks of 2^20 positions: accepted by the flags, but a layer's pool is
+# 2^48 bytes, past any machine's address space, so the first program fails (RESOURCE_EXHAUSTED).
+HUGE_POOL = ["--kv_layout=paged", "--block_size=1048576", "--num_blocks=1048576"]
+
+
+def test_a_failed_start_up_compile_ends_serve_with_status_1(tmp_path):
+  """Before the fix the error died with the compile thread and the server answered 503
+  "starting" forever (here: never logged, killed by the watchdog, a failure)."""
+  env = dict(single_device_env(), MAVERICK_CACHE_DIR=str(tmp_path))
+  proc = _start([SERVE, "--port=0", "--spec_k=0", "--slots=2", "--max_seq_len=64", *HUGE_POOL],
+                env)
+  try:
+    seen = _read_until(proc, re.compile(r"\] start-up compile failed at init"), "failing")
+    failed = time.monotonic()  # the log's line comes as the compile thread ends
+    proc.wait(timeout=START_TIMEOUT_S)
+    took = time.monotonic() - failed
+    rest = proc.stderr.read()
+  finally:
+    proc.kill()
+    proc.stderr.close()
+  lines = [l for l in "".join([*seen, rest]).replace("\r", "\n").splitlines() if l.strip()]
+  assert proc.returncode == 1, lines[-30:]
+  assert took < STOP_S, f"exited {took:.1f} s after the failure"
+  assert lines[-1].startswith("serve: error: start-up compile failed at init: JaxRuntimeError: "
+                              "RESOURCE_EXHAUSTED: Out of memory allocating 281474976710656 bytes")
+  assert "lower --slots or --max_seq_len (paged: --num_blocks, --block_size)" in lines[-1]
+  # The log: the error's line at level E, then its traceback (to the engine's first program).
+  at = [n for n, l in enumerate(lines) if "] start-up compile failed at init" in l]
+  assert len(at) == 1 and lines[at[0]].startswith("E"), lines
+  assert lines[at[0] + 1] == "Traceback (most recent call last):", lines
+  assert any("in compile" in l for l in lines[at[0]:]), lines
+  assert not [l for l in lines if "Fatal" in l or "Segmentation" in l], lines
+
+
+class FailingEngine:
+  """What the app reads of an Engine, with a compile that fails at its second program."""
+
+  max_seq_len, error = 64, None
+
+  def compile(self, note):
+    note("init")
+    note("step batch 2")
+    raise RuntimeError("XLA compile failed:\nout of registers")
+
+  def start(self):
+    raise AssertionError("started after a failed compile")
+
+
+def test_a_failed_compile_is_kept_logged_and_answered_by_health(caplog):
+  """A library user of Server / start_compiling sees the failure in `compile_error` and
+  on_error; /health and the generation POSTs answer 500 with it in OpenAI's error body."""
+  pytest.importorskip("fastapi")
+  from fastapi.testclient import TestClient
+  from maverick import loading
+  from maverick import tokenizer as tokenizer_lib
+  from maverick.serving.server import Server, create_app, start_compiling
+
+  server = Server(FailingEngine(), tokenizer_lib.load_tokenizer(loading.EMBEDDED["tiny"]), "tiny")
+  seen, called = [], threading.Event()
+  on_error = lambda e: (seen.append(e), called.set())
+  with caplog.at_level(logging.ERROR, logger="maverick.serving.server"):
+    start_compiling(server, on_error=on_error).join(30)
+  assert called.is_set() and seen == [server.compile_error]
+  assert isinstance(server.compile_error, RuntimeError) and not server.ready
+  message = ("start-up compile failed at step batch 2: RuntimeError: XLA compile failed: out of "
+             "registers")
+  [record] = [r for r in caplog.records if r.name == "maverick.serving.server"]
+  assert record.getMessage() == message and record.exc_info[1] is server.compile_error
+  client = TestClient(create_app(server))
+  error = {"message": message, "type": "server_error", "param": None, "code": None}
+  r = client.get("/health")
+  assert r.status_code == 500 and r.json() == {"error": error}
+  r = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4})
+  assert r.status_code == 500 and r.json() == {"error": error}
 
 
 # A load that compiles a long program (the embedded speculative loop), as loading a large or sharded
