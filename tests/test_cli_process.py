@@ -18,9 +18,12 @@ from param_utils import single_device_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # JAX_LOG_COMPILES=1 logs this as XLA starts compiling a program (after tracing and lowering,
-# which are Python and stopped by Ctrl-C either way): a generate loop's takes over 10 s on CPU.
+# which are Python and stopped by Ctrl-C either way).
 LOOP_COMPILE = re.compile(r"Finished jaxpr to MLIR module conversion jit\(\w*generate\w*\)")
-STOP_S = 5  # SIGINT to exit; the compile alone takes several times this
+# The largest draft tree generate.py takes: with XLA's default optimization its loop compiles for
+# 9 s on an idle CPU, longer on a loaded one (the default chain: 3-4 s).
+TREE = (16, 16, 256)
+STOP_S = 3  # SIGINT to exit (it takes ~0.2 s); the rest of the compile takes longer
 START_TIMEOUT_S = 300  # load and compile on a slow, shared CPU
 
 
@@ -46,11 +49,12 @@ def _read_until(proc, pattern, what: str) -> list[str]:
   pytest.fail(f"the process ended (status {proc.wait()}) before {what}: {''.join(seen)[-3000:]}")
 
 
-def _interrupt_mid_compile(args, trigger, tmp_path, settle=1.0):
+def _interrupt_mid_compile(args, trigger, tmp_path, settle=0.5):
   """Starts a script with nothing in its compile cache, waits for stderr to show `trigger`
   (XLA compiling), sends SIGINT `settle` s later: (status, seconds from SIGINT to exit, stderr
   after the signal)."""
-  env = dict(single_device_env(), MAVERICK_CACHE_DIR=str(tmp_path / "cache"), JAX_LOG_COMPILES="1")
+  env = dict(single_device_env(), MAVERICK_CACHE_DIR=str(tmp_path / "cache"), JAX_LOG_COMPILES="1",
+             XLA_FLAGS="")  # not the tests' fast compiles: the longer the compile, the clearer
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   proc = _start([*args, f"--compile_cache_dir={tmp_path / 'jax'}"], env)
   try:
@@ -73,11 +77,12 @@ def _assert_one_interrupted_line(prog, rest):
 
 
 def test_ctrl_c_during_the_compile_stops_generate_at_once(tmp_path):
-  """The embedded model's speculative loop compiles for 10-20 s on CPU; before the fix Ctrl-C
-  waited for all of it (Python runs a signal handler only in the main thread, between bytecodes,
-  and the compile was one C++ call there)."""
+  """Before the fix Ctrl-C waited for the whole compile (Python runs a signal handler only in
+  the main thread, between bytecodes, and the compile was one C++ call there)."""
+  depth, topk, nodes = TREE
   status, took, rest = _interrupt_mid_compile(
-      [str(REPO / "scripts" / "generate.py"), "--prompt=def f(x):"], LOOP_COMPILE, tmp_path)
+      [str(REPO / "scripts" / "generate.py"), "--prompt=def f(x):", f"--tree_depth={depth}",
+       f"--tree_topk={topk}", f"--tree_nodes={nodes}"], LOOP_COMPILE, tmp_path)
   assert status == cli.INTERRUPTED_STATUS, rest[-3000:]
   assert took < STOP_S, f"exited {took:.1f} s after SIGINT"
   _assert_one_interrupted_line("generate", rest)
@@ -181,12 +186,13 @@ load = maverick.load
 def load_and_compile(*args, **kwargs):
   loaded = load(*args, **kwargs)
   draft = spec_decode.load_draft("tiny", loaded.model)
-  spec_decode.generate(loaded.model, draft, [[1, 2, 3]], k=3, max_new_tokens=4)
+  tree = spec_decode.TreeShape(*%r)
+  spec_decode.generate(loaded.model, draft, [[1, 2, 3]], tree=tree, max_new_tokens=4)
   return loaded
 maverick.load = load_and_compile
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+""" % (TREE,)
 
 
 @pytest.mark.parametrize("where", ["loading", "compiling"])
