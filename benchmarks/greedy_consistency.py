@@ -253,7 +253,11 @@ def _one_dtype(dtype, n_prompts, n_new, log):
                     for p, d in zip(pairs, diffs)]}
 
 
-def main(argv):
+def main(argv):  # Ctrl-C stops it at once, mid-compile too (cli.run_interruptibly)
+  return cli.run_interruptibly("greedy_consistency", _main, argv)
+
+
+def _main(argv):
   try:
     cli.start(argv)
     if not 1 <= _NUM_PROMPTS.value <= len(PROMPTS):

@@ -34,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
+from maverick import cli  # noqa: E402
 from pallas_kernels import common  # noqa: E402
 
 OPS = ("gemm", "grouped_gemm", "prefill_attention", "decode_attention")
@@ -162,7 +163,11 @@ def run(ops, interpret: bool, iters: int, out: str | None) -> dict:
   return payload
 
 
-def main(argv):
+def main(argv):  # Ctrl-C stops it at once, mid-compile too (cli.run_interruptibly)
+  return cli.run_interruptibly("kernels", _main, argv)
+
+
+def _main(argv):
   del argv
   payload = run(_OPS.value, _INTERPRET.value, _ITERS.value, _OUT.value)
   if not all(r["correct"] for r in payload["results"]):

@@ -357,7 +357,11 @@ def run(s: Setup, argv=()) -> dict:
   return results
 
 
-def main(argv):
+def main(argv):  # Ctrl-C stops it at once, mid-compile too (cli.run_interruptibly)
+  return cli.run_interruptibly("serving_kv", _main, argv)
+
+
+def _main(argv):
   F = flags.FLAGS
   try:
     cli.start(argv)

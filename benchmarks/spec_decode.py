@@ -172,7 +172,11 @@ def _profiled_shares(loaded, draft, k, prompts):
   return {piece: ns / total for piece, ns in by_piece.items()}
 
 
-def main(argv):
+def main(argv):  # Ctrl-C stops it at once, mid-compile too (cli.run_interruptibly)
+  return cli.run_interruptibly("spec_decode", _main, argv)
+
+
+def _main(argv):
   cli.start(argv)
   import jax
   from tqdm import tqdm

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from absl import flags
 from absl import logging
@@ -162,6 +163,58 @@ def interrupted(prog: str) -> int:
   """Ctrl-C: prints `prog: interrupted` as one line on stderr (not a traceback) and returns 130."""
   print(f"{prog}: interrupted", file=sys.stderr)
   return INTERRUPTED_STATUS
+
+
+# How often the main thread wakes while a worker runs: a signal that lands on another thread (the
+# kernel picks any) is handled at the next wake-up, so Ctrl-C takes effect within this.
+_WAIT_S = 0.1
+
+
+def call_interruptibly(fn, *args, **kwargs):
+  """fn(*args, **kwargs) in a worker thread while the main thread waits: Python runs a signal
+  handler only in the main thread, between bytecodes, so a long XLA compile there (one C++ call)
+  would hold Ctrl-C back until it ends. Returns fn's result or raises its exception here (its
+  traceback kept). KeyboardInterrupt is raised here at once and fn keeps running: the caller
+  leaves with `exit_now`. fn must not install signal handlers (only the main thread may)."""
+  box = {}
+
+  def work():
+    try:
+      box["result"] = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001  (SystemExit too: raised again in the main thread)
+      box["error"] = e
+
+  worker = threading.Thread(target=work, name="maverick-main", daemon=True)
+  worker.start()
+  while worker.is_alive():
+    worker.join(_WAIT_S)
+  if "error" in box:
+    raise box.pop("error")
+  return box["result"]
+
+
+def exit_now(status: int) -> None:
+  """Flushes stdout and stderr and ends the process with `status` without the interpreter's
+  shutdown: an XLA compile cannot be stopped, and Python exiting under one (or under JAX's
+  threads mid-way through start-up) may crash with a segfault or wait for it to end."""
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):  # a closed pipe: nothing more to say there
+      pass
+  os._exit(status)
+
+
+def run_interruptibly(prog: str, main, argv) -> int:
+  """A script's absl main: main(argv) in a worker thread (call_interruptibly), so Ctrl-C stops the
+  script within a fraction of a second even mid-compile, with `prog: interrupted` and the
+  status 130. Its other results (a status, SystemExit, an exception) are as if it ran here."""
+  try:
+    return call_interruptibly(main, argv)
+  except KeyboardInterrupt:
+    if sys.stderr.isatty():  # on a line of its own, not after a progress bar or the echoed ^C
+      print(file=sys.stderr)
+    exit_now(interrupted(prog))
 
 
 def write_atomic(path: str, text: str) -> None:

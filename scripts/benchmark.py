@@ -356,7 +356,11 @@ def _save(fig, path: str) -> str:
   return path
 
 
-def main(argv):
+def main(argv):  # Ctrl-C stops it at once, mid-compile too (cli.run_interruptibly)
+  return cli.run_interruptibly("benchmark", _main, argv)
+
+
+def _main(argv):
   try:
     cli.start(argv)
     shapes = draft_shapes(_KS.value, _TREES.value)

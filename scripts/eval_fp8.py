@@ -55,7 +55,11 @@ _GEN_TOKENS = flags.DEFINE_integer("gen_tokens", 64, "Tokens generated per promp
 _OUT_JSON = flags.DEFINE_string("out_json", None, "Also write the results to this JSON file.")
 
 
-def main(argv):
+def main(argv):  # Ctrl-C stops it at once, mid-compile too (cli.run_interruptibly)
+  return cli.run_interruptibly("eval_fp8", _main, argv)
+
+
+def _main(argv):
   try:
     cli.start(argv)
   except cli.UsageError as e:

@@ -35,7 +35,11 @@ _BASELINE = flags.DEFINE_bool("unigram_baseline", True, "Also report a unigram b
 
 
 
-def main(argv):
+def main(argv):  # Ctrl-C stops it at once, mid-compile too (cli.run_interruptibly)
+  return cli.run_interruptibly("eval_ppl", _main, argv)
+
+
+def _main(argv):
   try:
     cli.start(argv)
   except cli.UsageError as e:

@@ -124,10 +124,8 @@ def _tree_shape():
 
 
 def main(argv):
-  try:
-    return _main(argv)
-  except KeyboardInterrupt:  # Ctrl-C at any point: one line, exit status 130
-    return cli.interrupted("generate")
+  # Ctrl-C at any point, mid-compile too: one line, exit status 130.
+  return cli.run_interruptibly("generate", _main, argv)
 
 
 def _main(argv):

@@ -289,7 +289,11 @@ def run_serving(cfg, sizes: dict[str, int]) -> str:
   return text
 
 
-def main(argv):
+def main(argv):  # Ctrl-C stops it at once, mid-compile too (cli.run_interruptibly)
+  return cli.run_interruptibly("plan_memory.py", _main, argv)
+
+
+def _main(argv):
   from maverick.sharding_plan import ShardingError
   try:  # the flags, checked before any device is made: each error names its flag
     cfg = _config()

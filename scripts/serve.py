@@ -9,7 +9,9 @@ Then: curl localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens
   or  openai.OpenAI(base_url="http://localhost:8000/v1", api_key="none").completions.create(...)
 
 Compiles the step and every prompt-length bucket at start-up (progress on stderr); GET /health
-returns 503 until then, 200 after. GET /metrics: Prometheus; --api_key: a bearer key. Needs the serve extra: pip install 'maverick-jax[serve]'.
+returns 503 until then, 200 after. If a compile fails, /health answers 500 with the error and the
+process exits with status 1 (for a supervisor to restart it). GET /metrics: Prometheus; --api_key:
+a bearer key. Needs the serve extra: pip install 'maverick-jax[serve]'.
 """
 
 import errno
@@ -262,7 +264,7 @@ def _main(argv, compiling: list):
   port = sock.getsockname()[1]
   try:
     import uvicorn
-    from maverick.serving.server import create_app, start_compiling
+    from maverick.serving.server import create_app, start_compiling, startup_failure
   except ImportError as e:
     return cli.fail("serve", f"{e}: install the serve extra: pip install 'maverick-jax[serve]'")
   from maverick.checkpoint import CheckpointError
@@ -272,7 +274,7 @@ def _main(argv, compiling: list):
   from tqdm import tqdm
 
   try:
-    server = build_server()
+    server = cli.call_interruptibly(build_server)  # Ctrl-C stops loading at once, mid-compile too
   except (ValueError, FileNotFoundError, CheckpointError, ConfigError, DraftConfigError,
           NotImplementedError, sharding.ShardingError) as e:
     return cli.fail("serve", e)
@@ -299,12 +301,22 @@ def _main(argv, compiling: list):
           f"{server.compile_seconds:.1f} s; {cli.compile_cache_summary()})", file=sys.stderr,
           flush=True)
 
-  compiling.append(start_compiling(server, progress))
-  app_ = create_app(server)
+  uv = uvicorn.Server(uvicorn.Config(create_app(server), host=_HOST.value, port=port,
+                                     log_level="warning"))
+
+  def failed(error):  # in the compile thread, before it logs the error
+    bar.close()
+    uv.should_exit = True  # uvicorn stops serving (within 0.1 s) and run() returns
+
+  compiling.append(start_compiling(server, progress, on_error=failed))
   # Ctrl-C stops uvicorn, which returns (main then sees the compile thread still running) or
   # raises it again.
-  uvicorn.Server(uvicorn.Config(app_, host=_HOST.value, port=port, log_level="warning")).run(
-      sockets=[sock])
+  uv.run(sockets=[sock])
+  if server.compile_error is not None:
+    compiling[0].join()  # it has stopped uvicorn: logging the traceback is all it has left
+    hint = ("; lower --slots or --max_seq_len (paged: --num_blocks, --block_size) to fit the "
+            "device's memory" if "RESOURCE_EXHAUSTED" in str(server.compile_error) else "")
+    return cli.fail("serve", startup_failure(server).rstrip(".") + hint)
   eng.shutdown()
   return 0
 

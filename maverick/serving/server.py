@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API over a `maverick.serving.Engine` (FastAPI on uvicorn).
 
-  GET  /health               200 {"status": "ok"} once every program is compiled, 503 before
+  GET  /health               200 {"status": "ok"} once every program is compiled, 503 before,
+                             500 with the error if compiling failed or the engine stopped on one
   GET  /metrics              Prometheus text (maverick.serving.metrics)
   GET  /v1/models
   POST /v1/completions       prompt: a string, a list of token ids, or a list of either
@@ -11,10 +12,10 @@ Both generation POSTs take n >= 1 and stream with "stream": true (server-sent ev
 maverick.serving.params: every name vLLM takes is honoured or refused with 400 naming it. Errors
 have OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 401
 without the API key, 404 for an unknown model, 413 for a body over `max_request_bytes`, 503
-while starting. Stop strings are matched on the decoded text here (the output, usage and logprobs
-end at the token that completes one; min_tokens holds them back as vLLM does: see Detokenizer);
-end-of-sequence and stop_token_ids stop on device. Logprobs are formatted in
-maverick.serving.logprobs.
+while starting, 500 once start-up or the engine failed. Stop strings are matched on the decoded
+text here (the output, usage and logprobs end at the token that completes one; min_tokens holds
+them back as vLLM does: see Detokenizer); end-of-sequence and stop_token_ids stop on device.
+Logprobs are formatted in maverick.serving.logprobs.
 
 The event loop never waits on a large prompt: bodies are counted while they arrive (refused past the
 limit, never buffered whole) and long texts are tokenized in a worker thread. A client that leaves
@@ -73,7 +74,8 @@ def default_max_request_bytes(max_seq_len: int) -> int:
 
 
 class Server:
-  """Holds the engine and tokenizer; `compile_and_start` readies the engine (call in a thread).
+  """Holds the engine and tokenizer; `compile_and_start` readies the engine (call in a thread,
+  `start_compiling`); if it fails, `compile_error` holds the exception.
   max_request_bytes: the largest request body taken (default_max_request_bytes by default).
   api_key: when set, every path but /health needs the header `Authorization: Bearer <api_key>`.
   allowed_local_media_path: a directory whose files chat image parts may name (file:// or a
@@ -97,6 +99,7 @@ class Server:
     self.allowed_local_media_path = allowed_local_media_path
     self.ready = False
     self.progress = ""
+    self.compile_error: BaseException | None = None  # compile_and_start's failure
     self.compile_seconds = None
     self.created = int(time.time())
     # id -> handle of requests not yet finished or cancelled (the queue-length metric)
@@ -108,13 +111,18 @@ class Server:
     return sum(getattr(h, "admitted", None) is None for h in list(self.open_handles.values()))
 
   def compile_and_start(self, progress=None) -> None:
-    """progress(name) before each program compiles, progress(None) once ready."""
+    """progress(name) before each program compiles, progress(None) once ready. A failure is
+    kept in `compile_error` (GET /health then answers 500 with it) and raised."""
     def note(what):
       self.progress = what
       if progress is not None:
         progress(what)
-    self.compile_seconds = self.engine.compile(note)
-    self.engine.start()
+    try:
+      self.compile_seconds = self.engine.compile(note)
+      self.engine.start()
+    except BaseException as e:
+      self.compile_error = e
+      raise
     self.ready = True
     if progress is not None:
       progress(None)  # done
@@ -248,6 +256,8 @@ def create_app(server: Server) -> FastAPI:
 
   @app.get("/health")
   async def health():
+    if server.compile_error is not None:
+      return error_response(500, startup_failure(server), kind="server_error")
     if engine.error is not None:
       return error_response(500, f"engine failed: {engine.error!r}", kind="server_error")
     if not server.ready:
@@ -303,6 +313,8 @@ def create_app(server: Server) -> FastAPI:
       raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
       raise ApiError(400, "the request body must be a JSON object")
+    if need_engine and server.compile_error is not None:
+      raise ApiError(500, startup_failure(server), kind="server_error")
     if need_engine and not server.ready:
       raise ApiError(503, "the server is still compiling; retry when GET /health returns 200",
                      kind="server_error")
@@ -615,8 +627,28 @@ async def _client_disconnects(request: Request) -> None:
     pass
 
 
-def start_compiling(server: Server, progress=None) -> threading.Thread:
-  t = threading.Thread(target=server.compile_and_start, args=(progress,), name="maverick-compile",
-                       daemon=True)
+def startup_failure(server: Server) -> str:
+  """One line on why the server could not start: what was compiling and the error."""
+  e = server.compile_error
+  text = " ".join(str(e).split()) or "(no message)"
+  return f"start-up compile failed at {server.progress or 'the start'}: {type(e).__name__}: {text}"
+
+
+def start_compiling(server: Server, progress=None, on_error=None) -> threading.Thread:
+  """Runs `server.compile_and_start(progress)` in a daemon thread and returns it. A failure is
+  kept in `server.compile_error` (GET /health answers 500 with it), passed to on_error(exception)
+  in that thread (scripts/serve.py closes its progress bar and stops serving there), then logged:
+  one line, then its traceback."""
+  def run():
+    try:
+      server.compile_and_start(progress)
+    except BaseException as e:  # noqa: BLE001  (a thread's exception would die with it)
+      try:
+        if on_error is not None:
+          on_error(e)
+      finally:
+        log.error("%s", startup_failure(server), exc_info=e)
+
+  t = threading.Thread(target=run, name="maverick-compile", daemon=True)
   t.start()
   return t
