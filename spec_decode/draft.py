@@ -37,11 +37,11 @@ class Buffer(nnx.Variable):
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
   """(1, N//2 - 1, N - 4): outputs of a low, a middle and a high layer (output-of-layer ids);
-  (0, N//2, N - 1) for targets too shallow for those to be distinct."""
+  (0, N//2, N - 1) for targets too shallow for those to be distinct. A target of 1 or 2 layers
+  (test and compile-check shards) has no 3 distinct layers: (0, 0, N - 1)."""
   n = num_target_layers
   if n < 3:
-    raise DraftConfigError(f"EAGLE-3 fuses the outputs of 3 distinct target layers; the target has "
-                           f"{n}")
+    return (0, 0, n - 1)
   low, mid, high = 1, n // 2 - 1, n - 4
   if not low < mid < high:  # a shallow target (< 7 layers): first, middle and last instead
     low, mid, high = 0, n // 2, n - 1
@@ -70,11 +70,7 @@ class Eagle3Config:
     if len(self.aux_layer_ids) != 3:
       raise DraftConfigError(f"EAGLE-3 fuses 3 target layers, got aux_layer_ids "
                              f"{self.aux_layer_ids}")
-    ids = tuple(sorted(int(i) for i in self.aux_layer_ids))
-    if len(set(ids)) != len(ids):  # fc would weigh one layer's features twice: a malformed config
-      raise DraftConfigError(f"aux_layer_ids {list(self.aux_layer_ids)} repeat a layer: EAGLE-3 "
-                             "fuses 3 distinct target layers (output-of-layer ids)")
-    object.__setattr__(self, "aux_layer_ids", ids)
+    object.__setattr__(self, "aux_layer_ids", tuple(sorted(int(i) for i in self.aux_layer_ids)))
 
   @property
   def hidden_size(self) -> int:
@@ -87,6 +83,11 @@ class Eagle3Config:
     if bad:
       raise DraftConfigError(f"aux layer ids {list(self.aux_layer_ids)} are outside the target's "
                              f"layers 0..{L - 1} (ids count layer OUTPUTS, 0-based)")
+    # fc would weigh one layer's features twice; only a 1- or 2-layer target (a test shard) has
+    # no 3 distinct layers to give
+    if len(set(self.aux_layer_ids)) < min(3, L):
+      raise DraftConfigError(f"aux_layer_ids {list(self.aux_layer_ids)} repeat a layer: EAGLE-3 "
+                             f"fuses 3 distinct layers of the target's {L} (output-of-layer ids)")
     if self.target_hidden_size != target.hidden_size:
       raise DraftConfigError(f"draft expects target hidden size {self.target_hidden_size}, the "
                              f"target has {target.hidden_size}")

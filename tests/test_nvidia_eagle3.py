@@ -255,25 +255,26 @@ def test_eagle3_config_sorts_aux_ids(target_cfg):
 
 
 def test_repeated_aux_ids_are_refused_naming_the_field(target_cfg):
-  """A repeated id would make fc weigh one layer's features twice: refused however it is built."""
+  """A repeated id would make fc weigh one layer's features twice: refused wherever the draft
+  meets its target (generate, the serving engine, training and every loader call check_target)."""
   with pytest.raises(DraftConfigError, match=r"aux_layer_ids \[1, 1, 3\] repeat a layer"):
-    Eagle3Config.for_target(target_cfg, aux_layer_ids=(1, 1, 3))
+    Eagle3Config.for_target(target_cfg, aux_layer_ids=(1, 1, 3)).check_target(target_cfg)
   d = Eagle3Config.for_target(target_cfg).to_dict()
   d["aux_layer_ids"] = [3, 1, 3]
-  with pytest.raises(DraftConfigError, match=r"aux_layer_ids \[3, 1, 3\] repeat a layer"):
-    Eagle3Config.from_dict(d)
+  with pytest.raises(DraftConfigError, match=r"aux_layer_ids \[1, 3, 3\] repeat a layer"):
+    Eagle3Config.from_dict(d).check_target(target_cfg)
 
 
-@pytest.mark.parametrize("n,want", [(3, (0, 1, 2)), (4, (0, 2, 3)), (6, (0, 3, 5)),
-                                    (7, (1, 2, 3)), (8, (1, 3, 4)), (48, (1, 23, 44))])
-def test_default_aux_layers_are_three_distinct_layers(n, want):
-  """Shallow targets (test models, small trained ones) still get 3 distinct layers by default."""
+@pytest.mark.parametrize("n,want", [(1, (0, 0, 0)), (2, (0, 0, 1)), (3, (0, 1, 2)), (4, (0, 2, 3)),
+                                    (6, (0, 3, 5)), (7, (1, 2, 3)), (8, (1, 3, 4)),
+                                    (48, (1, 23, 44))])
+def test_default_aux_layers_are_distinct_where_the_target_has_three(n, want, target_cfg):
+  """Shallow targets (test models, small trained ones) get 3 distinct layers by default; 1- and
+  2-layer shards repeat one, and only there is a repeat accepted."""
   assert default_aux_layers(n) == want
-
-
-def test_default_aux_layers_refuse_a_target_under_three_layers():
-  with pytest.raises(DraftConfigError, match="3 distinct target layers; the target has 2"):
-    default_aux_layers(2)
+  cfg = target_cfg.replace(num_hidden_layers=n, no_rope_layers=None, moe_layers=None,
+                           layer_types=None)
+  Eagle3Config.for_target(cfg).check_target(cfg)
 
 
 # ----------------------------------------------------------------------------------------------
