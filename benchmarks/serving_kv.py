@@ -36,6 +36,7 @@ Results: benchmarks/results/serving_kv_<device>.{json,md,png}.
 """
 
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -205,6 +206,10 @@ def capacity(s: "Setup", loaded, draft, k: int, tokens: np.ndarray) -> list[dict
                            if k and e.spec_rounds > rounds0 else None))
     rows.append(row)
     print(json.dumps(row), flush=True)
+    # Frees this engine's executables before the next one compiles: with a draft, three engines'
+    # programs in one process ran out of LLVM's code mappings (a crash, not an exception).
+    del e
+    gc.collect()
   return rows
 
 
@@ -391,7 +396,7 @@ def _main(argv):
   s = Setup(**{f.name: F[f.name].value for f in dataclasses.fields(Setup)
                if f.name not in ("spec_k", "batch_buckets", "parts", "table_widths")},
             parts=tuple(F.parts), spec_k=modes, table_widths=widths)
-  run(s, argv[1:])
+  run(s, sys.argv[1:])  # as typed: absl has taken the flags out of argv
   return 0
 
 
