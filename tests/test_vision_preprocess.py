@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from maverick.vision import preprocess as P
+from vision_sweep import sweep_image
 
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
@@ -300,23 +301,6 @@ def test_plausible_bugs_break_the_fixture_match(monkeypatch, mutant):
 # --------------------------------------------------------------------------- size sweep (HF, bit for bit)
 
 SIZE_SWEEP = json.loads((FIX / "size_sweep.json").read_text())
-
-
-def sweep_image(h: int, w: int, chans: int, seed: int) -> np.ndarray:
-  """The size sweep's inputs, as tools/make_vision_fixture.py makes them (the fixture keeps each one's
-  sha256): an integer hash of (seed, block row, block col, channel) on 1..3 x 1..4 px blocks."""
-  bh, bw = 1 + seed % 3, 1 + (seed // 3) % 4
-  y = (np.arange(h, dtype=np.uint32) // bh)[:, None, None]
-  x = (np.arange(w, dtype=np.uint32) // bw)[None, :, None]
-  c = np.arange(chans, dtype=np.uint32)[None, None, :]
-  v = (y * np.uint32(0x9E3779B1)) ^ (x * np.uint32(0x85EBCA77)) ^ (c * np.uint32(0xC2B2AE3D))
-  v = v ^ np.uint32((seed * 0x27D4EB2F) & 0xFFFFFFFF)
-  v = v ^ (v >> np.uint32(15))
-  v = v * np.uint32(0x2C1B3C6D)
-  v = v ^ (v >> np.uint32(12))
-  v = v * np.uint32(0x297A2D39)
-  v = v ^ (v >> np.uint32(15))
-  return (v >> np.uint32(24)).astype(np.uint8)
 
 
 def _bf16_bits(pixel_values: np.ndarray) -> np.ndarray:

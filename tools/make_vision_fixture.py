@@ -33,6 +33,7 @@ import io
 import json
 import math
 import pathlib
+import sys
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.models.llama4.image_processing_llama4 import Llama4ImageProcessor
 from transformers.models.llama4.processing_llama4 import Llama4Processor
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from vision_sweep import sweep_image  # noqa: E402  (shared with the test)
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf_llama4_vision"
 
@@ -108,23 +112,6 @@ def processor_call(images):
   out = proc(images=images, text=[text], return_tensors="pt")
   tokens = fast.convert_ids_to_tokens(out["input_ids"][0].tolist())
   return {"text": text, "tokens": tokens}, out["pixel_values"]
-
-
-def sweep_image(h: int, w: int, chans: int, seed: int) -> np.ndarray:
-  """uint8 (h, w, chans): an integer hash of (seed, block row, block col, channel) on 1..3 x 1..4 px blocks.
-  tests/test_vision_preprocess.py has the same function (the fixture records each input's sha256)."""
-  bh, bw = 1 + seed % 3, 1 + (seed // 3) % 4
-  y = (np.arange(h, dtype=np.uint32) // bh)[:, None, None]
-  x = (np.arange(w, dtype=np.uint32) // bw)[None, :, None]
-  c = np.arange(chans, dtype=np.uint32)[None, None, :]
-  v = (y * np.uint32(0x9E3779B1)) ^ (x * np.uint32(0x85EBCA77)) ^ (c * np.uint32(0xC2B2AE3D))
-  v = v ^ np.uint32((seed * 0x27D4EB2F) & 0xFFFFFFFF)
-  v = v ^ (v >> np.uint32(15))
-  v = v * np.uint32(0x2C1B3C6D)
-  v = v ^ (v >> np.uint32(12))
-  v = v * np.uint32(0x297A2D39)
-  v = v ^ (v >> np.uint32(15))
-  return (v >> np.uint32(24)).astype(np.uint8)
 
 
 class _Recording(Llama4ImageProcessor):
