@@ -82,7 +82,8 @@ def grouped_matmul(x_ad: jax.Array, w_edf: jax.Array, group_sizes: jax.Array, *,
   tile_end = jnp.cumsum(tiles_per_group)
   group_start = jnp.cumsum(group_sizes) - group_sizes
   t = jnp.arange(max_tiles)
-  tile_group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), E - 1)
+  tile_group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right", method="compare_all"),
+                           E - 1)  # no device while loop
   first_tile = (tile_end - tiles_per_group)[tile_group]
   row_start = group_start[tile_group] + (t - first_tile) * tm
   row_end = (group_start + group_sizes)[tile_group]

@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 GPUS = {"h200": ("NVIDIA H200 141GB HBM3e", "sm90"), "b200": ("NVIDIA B200", "sm100")}
 CHECKS = ("decode", "loops", "kernels")
-PROGRAMS = ("loop", "spec", "step")  # the decode check's programs
+PROGRAMS = ("loop", "spec", "step", "verify", "draft")  # the decode check's programs
+SPEC_K = 3  # the verify step's draft tokens (T = K + 1), NVIDIA's record configuration
 
 
 def _parse(argv):
@@ -55,7 +56,8 @@ def _parse(argv):
   ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {CHECKS}")
   ap.add_argument("--kernels", default="xla,pallas", help="decode check: xla and/or pallas")
   ap.add_argument("--programs", default=",".join(PROGRAMS),
-                  help="decode check: generate loop, spec generate loop, standalone step")
+                  help="decode check: generate loop, spec generate loop, standalone decode step, "
+                       f"verify step (T={SPEC_K + 1} tokens per row), EAGLE-3 draft step")
   ap.add_argument("--context", type=int, default=131072, help="decode check: KV cache positions")
   ap.add_argument("--batch", type=int, default=8, help="decode check: rows")
   ap.add_argument("--layers", type=int, default=48, help="decode check: decoder layers")
@@ -90,7 +92,7 @@ def _environment(dump_dir: str) -> None:
   # The loop flags as maverick.gpu_flags adds them on a GPU host (a flag already in XLA_FLAGS
   # wins, e.g. --xla_gpu_enable_dynamic_slice_fusion=true to compile without ours). Only the
   # generate loops are dumped: the thunk sequences show where each while runs.
-  dumps = f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*generate.*"
+  dumps = f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*(generate|step).*"
   os.environ["XLA_FLAGS"] = f"{gpu_flags.merge(os.environ.get('XLA_FLAGS'))} {dumps}".strip()
 
 
@@ -275,13 +277,17 @@ def loop_placement(thunk_text: str) -> dict:
   return out
 
 
-def thunk_text(dump_dir: str, module_hint: str) -> str:
-  """The thunk sequence of the module named `module_hint` compiled last. XLA numbers dumped modules
-  by id, not in compile order (module_0001, module_317837, module_100031, ...): newest by time."""
+def thunk_text(dump_dir: str, module_hint: str, suffix: str = "") -> str:
+  """The thunk sequence (or the dump file ending in `suffix`) of the module named `module_hint`
+  compiled last. XLA numbers dumped modules by id, not in compile order (module_0001,
+  module_317837, module_100031, ...): newest by time."""
   newest = lambda pattern: sorted(pathlib.Path(dump_dir).glob(pattern),
                                   key=lambda f: f.stat().st_mtime_ns)
-  files = newest(f"*{module_hint}*thunk_sequence_after_thunk_passes.txt")
-  files = files or newest(f"*{module_hint}*thunk_sequence.txt")
+  if suffix:
+    files = newest(f"*{module_hint}.{suffix}")
+  else:
+    files = newest(f"*{module_hint}*thunk_sequence_after_thunk_passes.txt")
+    files = files or newest(f"*{module_hint}*thunk_sequence.txt")
   if not files:
     raise RuntimeError(f"no thunk sequence dumped for {module_hint!r} in {dump_dir}")
   return files[-1].read_text()
@@ -356,10 +362,11 @@ def compile_generate_loop(cfg, mesh, batch: int, context: int, kernels: str, spe
   return lowered.compile(), time.perf_counter() - t, lowered_s
 
 
-def compile_decode_step(cfg, mesh, batch: int, context: int, kernels: str):
+def compile_decode_step(cfg, mesh, batch: int, context: int, kernels: str, tokens_per_row: int = 1):
   """One decode step as its own program (one token per row, the KV cache an argument, donated),
   as the serving engine's step programs are: its cache keeps the default layout at the program's
-  boundary. Returns (compiled, seconds in all, seconds of those spent in JAX's lowering)."""
+  boundary. `tokens_per_row` K+1: the speculative verify step (the EAGLE-3 features captured).
+  Returns (compiled, seconds in all, seconds of those spent in JAX's lowering)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
@@ -369,17 +376,73 @@ def compile_decode_step(cfg, mesh, batch: int, context: int, kernels: str):
   from maverick import sharding
   plan, graphdef, state = _sharded_model(cfg, mesh, kernels)
   cache = memory_plan._cache_sds(cfg, plan, batch, context)
-  tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=NamedSharding(
+  tokens = jax.ShapeDtypeStruct((batch, tokens_per_row), jnp.int32, sharding=NamedSharding(
       mesh, PartitionSpec(plan.batch_axis(batch), None)))
+  verify = tokens_per_row > 1
+  capture = memory_plan.nvidia_eagle3(cfg).aux_layer_ids if verify else ()
 
-  def step(state, tokens, cache):
-    out = model_lib.apply(graphdef, state, tokens, cache=sharding.constrain_cache(cache, plan))
-    return jnp.argmax(out.logits[:, -1], -1), sharding.constrain_cache(out.cache, plan)
+  def decode_step(state, tokens, cache):
+    out = model_lib.apply(graphdef, state, tokens, cache=sharding.constrain_cache(cache, plan),
+                          capture_layers=capture)
+    picked = jnp.argmax(out.logits, -1)
+    return picked, out.hidden, sharding.constrain_cache(out.cache, plan)
+
+  def verify_step(state, tokens, cache):  # its own name: the launch count finds its dump by it
+    return decode_step(state, tokens, cache)
 
   t = time.perf_counter()
-  lowered = jax.jit(step, donate_argnums=2).lower(state, tokens, cache)
+  lowered = jax.jit(verify_step if verify else decode_step, donate_argnums=2).lower(
+      state, tokens, cache)
   lowered_s = time.perf_counter() - t
   return lowered.compile(), time.perf_counter() - t, lowered_s
+
+
+def compile_draft_step(cfg, mesh, batch: int, context: int, kernels: str):
+  """One chained step of NVIDIA's EAGLE-3 head (one token per row: the previous step's hidden
+  state, the target's embedding table, the draft's own KV cache), as spec_decode's draft chain
+  runs it K times a round. Returns (compiled, seconds in all, seconds spent lowering)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from maverick import memory_plan
+  from maverick import sharding
+  dcfg = memory_plan.nvidia_eagle3(cfg)
+  plan, tgraph, tstate = _sharded_model(cfg, mesh, kernels)
+  embed = nnx.to_flat_state(tstate)
+  embed = next(v for path, v in embed if path == ("embed",)).value
+  _, dgraph, dstate = _sharded_model(cfg, mesh, kernels, dcfg)
+  dcache = memory_plan._cache_sds(dcfg.layer, plan, batch, context, num_layers=1)
+  rows = plan.batch_axis(batch)
+  tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
+                                sharding=NamedSharding(mesh, PartitionSpec(rows, None)))
+  hidden = jax.ShapeDtypeStruct((batch, 1, dcfg.hidden_size), jnp.dtype(dcfg.layer.dtype),
+                                sharding=NamedSharding(mesh, PartitionSpec(rows, None, None)))
+
+  def draft_step(dstate, embed, tokens, hidden, dcache):
+    draft = nnx.merge(dgraph, dstate)
+    out = draft(tokens, hidden, embed, cache=sharding.constrain_cache(dcache, plan))
+    return jnp.argmax(out.logits[:, -1], -1), out.hidden, sharding.constrain_cache(out.cache, plan)
+
+  t = time.perf_counter()
+  lowered = jax.jit(draft_step, donate_argnums=4).lower(dstate, embed, tokens, hidden, dcache)
+  lowered_s = time.perf_counter() - t
+  return lowered.compile(), time.perf_counter() - t, lowered_s
+
+
+def program_launches(dump_dir: str, module: str, hlo_text: str, layers: int,
+                     loop: bool = False) -> dict:
+  """The launch columns of a compiled program (maverick.launches): one run of it, or with `loop`
+  one iteration of its main loop (a generate program's decode step)."""
+  from maverick import launches
+  seq = thunk_text(dump_dir, module)
+  meta = thunk_text(dump_dir, module, "thunk_metadata.txt")
+  trips = launches.trip_counts(meta, hlo_text)
+  got = launches.count(seq, trips, launches.main_loop(seq) if loop else None)
+  return {"launches": got.total, "launches_largest": got.largest,
+          "launches_per_layer": round(got.per_layer(layers), 1),
+          "launches_by_kind": got.by_kind, "unknown_trip_whiles": got.unknown_trip_whiles}
 
 
 def kv_shard(cfg, mesh, batch: int, context: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -404,25 +467,37 @@ def decode_check(args, gpu: str, dump_dir: str) -> list[dict]:
   mesh = Mesh(np.asarray(devices).reshape(1, 1, 8), sharding.AXES)
   names = {"loop": "maverick fp8 tp8 generate (decode loop)",
            "spec": "maverick fp8 tp8 spec generate (K=3 rounds)",
-           "step": "maverick fp8 tp8 decode step (own program)"}
+           "step": "maverick fp8 tp8 decode step (own program)",
+           "verify": f"maverick fp8 tp8 verify step (T={SPEC_K + 1}, own program)",
+           "draft": "EAGLE-3 draft step (NVIDIA's head, own program)"}
+  modules = {"loop": "jit__generate", "spec": "jit__spec_generate", "step": "jit_decode_step",
+             "verify": "jit_verify_step", "draft": "jit_draft_step"}
   programs = [p for p in names if p in args.programs.split(",")]
   for kernels, program in [(k, p) for k in args.kernels.split(",") for p in programs]:
     name = names[program]
     row = {"gpu": gpu, "program": name, "kernels": kernels}
     try:
       with pinned_arch(GPUS[gpu][1]), captured_fds() as fds:
-        if program == "step":
-          compiled, seconds, lowered_s = compile_decode_step(cfg, mesh, args.batch, args.context,
-                                                             kernels)
+        if program in ("step", "verify"):
+          compiled, seconds, lowered_s = compile_decode_step(
+              cfg, mesh, args.batch, args.context, kernels,
+              tokens_per_row=SPEC_K + 1 if program == "verify" else 1)
+        elif program == "draft":
+          compiled, seconds, lowered_s = compile_draft_step(cfg, mesh, args.batch, args.context,
+                                                            kernels)
         else:
           compiled, seconds, lowered_s = compile_generate_loop(
               cfg, mesh, args.batch, args.context, kernels, spec=program == "spec",
               prompt_len=args.prompt_len)
       shard, dtypes = kv_shard(cfg, mesh, args.batch, args.context)
-      if program != "step":
-        module = "jit__generate" if program == "loop" else "jit__spec_generate"
-        row.update(loop_placement(thunk_text(dump_dir, module)))
       text = compiled.as_text()
+      if program in ("loop", "spec"):
+        row.update(loop_placement(thunk_text(dump_dir, modules[program])))
+      # Launches per step: the draft has 1 layer; a generate loop is counted per iteration of
+      # its decode loop (the spec loop's is a whole round: verify + draft chain).
+      row.update(program_launches(dump_dir, modules[program], text,
+                                  1 if program == "draft" else args.layers,
+                                  loop=program in ("loop", "spec")))
       moves = whole_buffer_moves(text, shard, dtypes)
       mem = compiled.memory_analysis()
       row.update(compile_s=round(seconds, 1), lowering_s=round(lowered_s, 1), kv_shard=list(shard), whole_kv_moves=len(moves),
@@ -566,6 +641,22 @@ def report(rows: list[dict], plan_text: str, argv) -> str:
         f"- | - | - | {ptx} | - |")
     lines[-1] += (f" {r.get('while_in_command_buffer', '-')} | {r.get('while_host_driven', '-')} | "
                   f"{r.get('host_transfers', '-')} | {str(r['status'])[:120]} |")
+  counted = [r for r in rows if "launches" in r]
+  if counted:
+    lines += ["", "Kernel launches (maverick.launches: every kernel node of XLA's thunk sequence, "
+              "a `while` body times its trip count; a generate loop per iteration of its decode "
+              "loop; each `conditional` at its smallest branch (greedy skips the sampling "
+              "filters), and in the next column at its largest; per layer = launches / decoder "
+              "layers, embedding and head included):", "",
+              "| gpu | program | kernels | launches | largest branches | per layer | "
+              "by kind (top 8) |",
+              "|---|---|---|---|---|---|---|"]
+    for r in counted:
+      kinds = ", ".join(f"{k} {n}" for k, n in list(r["launches_by_kind"].items())[:8])
+      unknown = (f" ({r['unknown_trip_whiles']} loops of unknown trip count counted once)"
+                 if r["unknown_trip_whiles"] else "")
+      lines.append(f"| {r['gpu']} | {r['program']} | {r['kernels']} | {r['launches']}{unknown} | "
+                   f"{r['launches_largest']} | {r['launches_per_layer']} | {kinds} |")
   spilling = [f"- {r['gpu']}: {c}" for r in rows for c in r.get("spilling", [])]
   if spilling:
     lines += ["", "Kernel configurations that spill registers (ptxas):", "", *spilling]
@@ -605,7 +696,7 @@ def _gpu_in_child(argv: list[str], gpu: str) -> list[dict]:
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = _parse(argv)
-  dump_dir = tempfile.mkdtemp(prefix="gpu_compile_check-")
+  dump_dir = os.environ.get("GCC_DUMP") or tempfile.mkdtemp(prefix="gpu_compile_check-")
   _environment(dump_dir)
   gpus = args.gpus.split(",")
   if len(gpus) > 1:

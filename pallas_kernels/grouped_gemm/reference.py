@@ -17,7 +17,8 @@ FP8 = jnp.float8_e4m3fn
 def row_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
   """int32 [A]: the group of each row; E for the rows past sum(group_sizes)."""
   ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
-  return jnp.searchsorted(ends, jnp.arange(num_rows, dtype=jnp.int32), side="right")
+  return jnp.searchsorted(ends, jnp.arange(num_rows, dtype=jnp.int32), side="right",
+                          method="compare_all")  # no device while loop
 
 
 # x [A, K] contracted with w [E, N, K] on K, groups along A and E.
