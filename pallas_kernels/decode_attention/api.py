@@ -233,12 +233,17 @@ def _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_st
 
 
 def combine(out, lse):
-  """Merges split partials: out [P, ..., Dh] (each normalised), lse [P, ...] (log2 units)."""
+  """Merges split partials: out [P, ..., Dh] (each normalised), lse [P, ...] (log2 units).
+
+  The weights' sum rides along as an extra column of ones, so one reduction gives both sums:
+  three launches on a GPU (max, weights, sums), not four. (A variadic log-sum-exp reduce over
+  the splits was tried: XLA materializes its broadcast operands, four launches again.)"""
   mx = jnp.max(lse, axis=0)
   mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
   w = jnp.exp2(lse - mx)  # -inf (empty split) -> 0
-  den = jnp.sum(w, axis=0)
-  num = jnp.sum(w[..., None] * out, axis=0)
+  ones = jnp.ones(out.shape[:-1] + (1,), out.dtype)
+  total = jnp.sum(w[..., None] * jnp.concatenate([out, ones], axis=-1), axis=0)
+  num, den = total[..., :-1], total[..., -1]
   return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
