@@ -445,6 +445,36 @@ def program_launches(dump_dir: str, module: str, hlo_text: str, layers: int,
           "launches_by_kind": got.by_kind, "unknown_trip_whiles": got.unknown_trip_whiles}
 
 
+def modeled_step(cfg, mesh, kernels: str, program: str, batch: int, context: int, gpu: str,
+                 launches: int) -> dict:
+  """maverick.step_model's modeled time of a step program from its launches and the bytes its
+  weights and KV cache make one device read (a model, not a measurement: see that module)."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from maverick import memory_plan
+  from maverick import step_model
+  draft = memory_plan.nvidia_eagle3(cfg) if program == "draft" else None
+  _, _, state = _sharded_model(cfg, mesh, kernels, draft)
+  layer_cfg = draft.layer if draft is not None else cfg
+  k0 = memory_plan._cache_sds(layer_cfg, sharding_plan(mesh), batch, 64, num_layers=1).k[0]
+  tokens = SPEC_K + 1 if program == "verify" else 1
+  flat = [(path, v.get_value()) for path, v in nnx.to_flat_state(state)]
+  read = step_model.step_bytes(flat, layer_cfg, batch=batch, tokens_per_row=tokens,
+                               context=context, kv_bytes_per_value=jnp.dtype(k0.dtype).itemsize,
+                               kv_heads_local=k0.sharding.shard_shape(k0.shape)[2],
+                               shard_shape=lambda x: x.sharding.shard_shape(x.shape))
+  flops = 2.0 * read.weights * batch * tokens  # ~one multiply-add per weight byte (FP8) per row
+  ms = lambda us: round(1e3 * step_model.step_seconds(launches, read.total, flops, gpu, us), 3)
+  return {"bytes_read_GB": round(read.total / 1e9, 3), "modeled_ms": ms(step_model.LAUNCH_US),
+          "modeled_ms_pdl": ms(step_model.PDL_LAUNCH_US)}
+
+
+def sharding_plan(mesh):
+  from maverick import sharding
+  return sharding.Plan(mesh, "tp")
+
+
 def kv_shard(cfg, mesh, batch: int, context: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
   """One layer's K (or V) cache shard dims on a device, and its HLO dtype names."""
   import jax.numpy as jnp
@@ -498,6 +528,9 @@ def decode_check(args, gpu: str, dump_dir: str) -> list[dict]:
       row.update(program_launches(dump_dir, modules[program], text,
                                   1 if program == "draft" else args.layers,
                                   loop=program in ("loop", "spec")))
+      if program in ("step", "verify", "draft"):
+        row.update(program_key=program, **modeled_step(
+            cfg, mesh, kernels, program, args.batch, args.context, gpu, row["launches"]))
       moves = whole_buffer_moves(text, shard, dtypes)
       mem = compiled.memory_analysis()
       row.update(compile_s=round(seconds, 1), lowering_s=round(lowered_s, 1), kv_shard=list(shard), whole_kv_moves=len(moves),
@@ -657,6 +690,7 @@ def report(rows: list[dict], plan_text: str, argv) -> str:
                  if r["unknown_trip_whiles"] else "")
       lines.append(f"| {r['gpu']} | {r['program']} | {r['kernels']} | {r['launches']}{unknown} | "
                    f"{r['launches_largest']} | {r['launches_per_layer']} | {kinds} |")
+  lines += modeled_table(rows)
   spilling = [f"- {r['gpu']}: {c}" for r in rows for c in r.get("spilling", [])]
   if spilling:
     lines += ["", "Kernel configurations that spill registers (ptxas):", "", *spilling]
@@ -664,6 +698,41 @@ def report(rows: list[dict], plan_text: str, argv) -> str:
     lines += ["", "plan_memory.py (8 CPU devices, same batch and context):", "", "```", plan_text,
               "```"]
   return "\n".join(lines) + "\n"
+
+
+ACCEPTANCE = 3.0  # the modeled K=3 round's mean accepted length (bonus token included): stated
+
+
+def modeled_table(rows: list[dict]) -> list[str]:
+  """Modeled step times and tokens/s per user (maverick.step_model), per GPU and kernel path."""
+  from maverick import step_model
+  steps = {(r["gpu"], r["kernels"], r["program_key"]): r for r in rows if "modeled_ms" in r}
+  if not steps:
+    return []
+  out = ["", "Modeled, NOT measured (maverick.step_model): step = max(bytes read / HBM bandwidth, "
+         "flops / FP8 peak) + launches x per-launch cost; "
+         f"{step_model.LAUNCH_US} us a launch (calibrated once on an H200), "
+         f"{step_model.PDL_LAUNCH_US} us with PDL (an assumption); K=3 rounds = verify + 3 draft "
+         f"steps emitting {ACCEPTANCE} tokens (an assumed acceptance length):", "",
+         "| gpu | kernels | program | launches | GB read / device | ms | ms with PDL |",
+         "|---|---|---|---|---|---|---|"]
+  for (gpu, kernels, program), r in steps.items():
+    out.append(f"| {gpu} | {kernels} | {program} | {r['launches']} | {r['bytes_read_GB']} | "
+               f"{r['modeled_ms']} | {r['modeled_ms_pdl']} |")
+  out += ["", "| gpu | kernels | plain tokens/s/user | with PDL | K=3 tokens/s/user | with PDL |",
+          "|---|---|---|---|---|---|"]
+  for gpu, kernels in dict.fromkeys((g, k) for g, k, _ in steps):
+    get = lambda p, key: steps.get((gpu, kernels, p), {}).get(key)
+    cells = []
+    for key in ("modeled_ms", "modeled_ms_pdl"):
+      step = get("step", key)
+      cells.append(f"{1e3 / step:.0f}" if step else "-")
+    for key in ("modeled_ms", "modeled_ms_pdl"):
+      verify, draft = get("verify", key), get("draft", key)
+      cells.append(f"{step_model.spec_tokens_per_s(verify / 1e3, draft / 1e3, SPEC_K, ACCEPTANCE):.0f}"
+                   if verify and draft else "-")
+    out.append(f"| {gpu} | {kernels} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} |")
+  return out
 
 
 def child_argv(argv: list[str], gpu: str, rows_json: str) -> list[str]:
