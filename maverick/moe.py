@@ -36,7 +36,11 @@ def route(x_nd: jax.Array, router_de: jax.Array, k: int, *, router_scale=None, q
   is FP8 (see maverick.quant.einsum)."""
   logits = contraction.einsum("nd,de->ne", x_nd, router_de, router_scale, quant,
                               input_scale=router_input_scale)
-  top_logits, top_idx = jax.lax.top_k(logits, k)
+  if k == 1:  # Llama 4's top-1: a max and an argmax (one reduction; top_k sorts on a GPU)
+    top_idx = jnp.argmax(logits, axis=-1, keepdims=True).astype(jnp.int32)
+    top_logits = jnp.take_along_axis(logits, top_idx, axis=-1)
+  else:
+    top_logits, top_idx = jax.lax.top_k(logits, k)
   scores = jax.nn.sigmoid(top_logits.astype(jnp.float32)).astype(x_nd.dtype)
   return top_idx, scores, logits
 

@@ -360,3 +360,84 @@ def test_bench_toy_cases_match_reference():
       ref = np.asarray(case.reference(*case.args), np.float64)
       rel = np.abs(out - ref).max() / np.abs(ref).max()
       assert rel <= case.max_rel_error, (case.name, rel)
+
+
+# ---- rows in any order, each with its own group (decode: no sort by expert) ----
+
+def numpy_rows(x, w, row_groups, x_scale=None, w_scale=None):
+  """float64: row a times w[row_groups[a]]^T and the scales; a group outside [0, E) gives 0."""
+  x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  out = np.zeros((x.shape[0], w.shape[1]))
+  for a, g in enumerate(np.asarray(row_groups)):
+    if 0 <= g < w.shape[0]:
+      out[a] = x[a] @ w[g].T
+      if x_scale is not None:
+        out[a] *= np.asarray(x_scale, np.float64)[a] * np.asarray(w_scale, np.float64)[g]
+  return out
+
+
+# E = 80 experts. Unsorted rows with repeated groups and a group past E (another shard's expert:
+# a zero row); one row; 66 rows: the first and last rows of a 64-row block (sm90's tile), the
+# first row of the next block, and a zero row there.
+ROW_CASES = {"unsorted": [5, 2, 5, 9, 0, 2, 85], "one_row": [3],
+             "two_blocks": list(range(63, -1, -1)) + [1, 85]}
+
+
+@pytest.mark.parametrize("arch,dtype,out_dtype", [
+    ("sm90", FP8, jnp.float32), ("sm90", jnp.bfloat16, jnp.bfloat16),
+    ("sm100", FP8, jnp.bfloat16)])
+@pytest.mark.parametrize("case", sorted(ROW_CASES))
+def test_row_groups_in_any_order(arch, dtype, out_dtype, case):
+  row_groups = np.asarray(ROW_CASES[case])
+  x, w, _, scales = make_inputs(11, len(row_groups), 128, 64, [0] * 80, dtype)
+  rg = jnp.asarray(row_groups, jnp.int32)
+  expected = numpy_rows(x, w, row_groups, **scales)
+  with common.interpret(arch=arch):
+    out = jax.block_until_ready(grouped_matmul(x, w, row_groups=rg, **scales,
+                                               out_dtype=out_dtype, implementation="pallas"))
+  assert_rows_close(out, expected, out_dtype)
+  xla = grouped_matmul(x, w, row_groups=rg, **scales, out_dtype=out_dtype, implementation="xla")
+  assert_rows_close(xla, expected, out_dtype)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_row_groups_swiglu(arch):
+  row_groups = np.asarray([7, 1, 7, 130, 4])  # 130: past the 8 experts, a zero row
+  x, w_gate, _, scales = make_inputs(21, 5, 256, 64, [0] * 8, FP8)
+  _, w_up, _, up_scales = make_inputs(22, 5, 256, 64, [0] * 8, FP8)
+  kw = dict(x_scale=scales["x_scale"], gate_scale=scales["w_scale"], up_scale=up_scales["w_scale"])
+  gate = numpy_rows(x, w_gate, row_groups, scales["x_scale"], scales["w_scale"])
+  up = numpy_rows(x, w_up, row_groups, scales["x_scale"], up_scales["w_scale"])
+  expected = gate / (1.0 + np.exp(-gate)) * up
+  rg = jnp.asarray(row_groups, jnp.int32)
+  with common.interpret(arch=arch):
+    out = jax.block_until_ready(grouped_swiglu(x, w_gate, w_up, row_groups=rg, **kw,
+                                               out_dtype=jnp.float32, implementation="pallas"))
+  assert_rows_close(out, expected, jnp.float32, f32_tol=1e-5)
+  xla = grouped_swiglu(x, w_gate, w_up, row_groups=rg, **kw, out_dtype=jnp.float32,
+                       implementation="xla")
+  assert_rows_close(xla, expected, jnp.float32, f32_tol=1e-5)
+
+
+def test_row_schedule_gives_each_row_its_own_tile():
+  sched = np.asarray(sched_lib.row_schedule(jnp.asarray([4, -1, 9, 4, 2]), 9, 64))
+  assert sched.shape == (4, sched_lib.padded_tiles(5, 9, 64))
+  group, block, lo, hi = sched
+  np.testing.assert_array_equal(group[:5], [4, sched_lib.ZERO_GROUP, sched_lib.ZERO_GROUP, 4, 2])
+  np.testing.assert_array_equal(lo[:5], np.arange(5))
+  np.testing.assert_array_equal(hi[:5], np.arange(1, 6))
+  np.testing.assert_array_equal(block[:5], 0)
+  assert (lo[5:] == hi[5:]).all()  # unused tiles own no rows
+
+
+def test_row_groups_bad_input_raises():
+  x, w, gs, scales = make_inputs(5, 8, 128, 64, [3, 5], FP8)
+  rg = jnp.zeros((8,), jnp.int32)
+  with pytest.raises(common.KernelInputError, match="not both"):
+    grouped_matmul(x, w, gs, row_groups=rg, **scales)
+  with pytest.raises(common.KernelInputError, match="not both and not neither"):
+    grouped_matmul(x, w, **scales)
+  with pytest.raises(common.KernelInputError, match=r"row_groups: expected shape \(8,\)"):
+    grouped_matmul(x, w, row_groups=rg[:3], **scales)
+  with pytest.raises(common.KernelInputError, match="at most E \\+ 1 rows"):
+    grouped_matmul(x, w, row_groups=rg, **scales)  # 8 rows over 2 groups

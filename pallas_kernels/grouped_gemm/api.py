@@ -38,6 +38,27 @@ _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
+def _groups_of(x, w, group_sizes, row_groups):
+  """Checks that exactly one of group_sizes (rows sorted by group) / row_groups (each row's group,
+  rows in any order) is given; returns the group_sizes to validate (a stand-in for row_groups)."""
+  check = common.check
+  check((group_sizes is None) != (row_groups is None),
+        "pass group_sizes (rows sorted by group) or row_groups (each row's group), not both "
+        "and not neither")
+  if row_groups is None:
+    return group_sizes
+  num_rows, num_groups = x.shape[0], w.shape[0]
+  check(row_groups.shape == (num_rows,),
+        f"row_groups: expected shape ({num_rows},) (one group per row of x {x.shape}), got "
+        f"{row_groups.shape}")
+  check(jnp.issubdtype(row_groups.dtype, jnp.integer),
+        f"row_groups: expected an integer dtype (int32), got {row_groups.dtype}")
+  check(num_rows <= num_groups + 1,
+        f"row_groups: {num_rows} rows over {num_groups} groups; the per-row schedule (one tile a "
+        f"row) takes at most E + 1 rows: sort rows by group and pass group_sizes")
+  return jax.ShapeDtypeStruct((num_groups,), jnp.int32)
+
+
 def _validate(x, w, group_sizes, x_scale, w_scale, out_dtype):
   check = common.check
   check(x.ndim == 2, f"x: expected [A, K], got shape {x.shape}")
@@ -115,48 +136,63 @@ def _arch_kernels():
   return _KERNELS[common.target_arch()]
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
                    x_scale: jax.Array | None = None, w_scale: jax.Array | None = None,
                    out_dtype=jnp.bfloat16, w_layout: str = "enk",
-                   implementation: str | None = None) -> jax.Array:
+                   implementation: str | None = None,
+                   row_groups: jax.Array | None = None) -> jax.Array:
   """[A, N] = per-group x @ w[g]^T, scaled by x_scale[a] * w_scale[g, n]; see the module doc.
-  w_layout="ekn": bf16 w stored (E, K, N) (computing x @ w[g]), read as stored by the kernel."""
+  w_layout="ekn": bf16 w stored (E, K, N) (computing x @ w[g]), read as stored by the kernel.
+  `row_groups` [A] instead of group_sizes: each row's group, rows in any order (a few rows:
+  decode); a group outside [0, E) gives a zero row."""
   view = _k_major_view(w, w_layout)
-  _validate(x, view, group_sizes, x_scale, w_scale, out_dtype)
-  group_sizes = schedule.safe_group_sizes(group_sizes, x.shape[0])
+  _validate(x, view, _groups_of(x, view, group_sizes, row_groups), x_scale, w_scale, out_dtype)
+  if row_groups is None:
+    group_sizes = schedule.safe_group_sizes(group_sizes, x.shape[0])
   plan = _plan(x, view, x_scale, w_scale, out_dtype, 1, w_layout, common.runnable_arch())
   impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla" or x.shape[0] == 0:  # no rows: nothing for a kernel to schedule
+    if row_groups is not None:
+      return reference.grouped_matmul_rows(x, _as_enk(w, w_layout), row_groups, x_scale=x_scale,
+                                           w_scale=w_scale, out_dtype=out_dtype)
     return reference.grouped_matmul(x, _as_enk(w, w_layout), group_sizes, x_scale=x_scale,
                                     w_scale=w_scale, out_dtype=out_dtype)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  return _arch_kernels()[0](x, w, group_sizes.astype(jnp.int32), f32(x_scale), f32(w_scale),
+  i32 = lambda a: None if a is None else a.astype(jnp.int32)
+  return _arch_kernels()[0](x, w, i32(group_sizes), f32(x_scale), f32(w_scale),
                             out_dtype=jnp.dtype(out_dtype), w_kn=w_layout == "ekn",
-                            cfg=plan.config)
+                            cfg=plan.config, row_groups=i32(row_groups))
 
 
-def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array, *,
+def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   group_sizes: jax.Array | None = None, *,
                    x_scale: jax.Array | None = None, gate_scale: jax.Array | None = None,
                    up_scale: jax.Array | None = None, out_dtype=jnp.bfloat16,
-                   w_layout: str = "enk", implementation: str | None = None) -> jax.Array:
-  """[A, F] = silu(x @ w_gate[g]^T * scales) * (x @ w_up[g]^T * scales); see the module doc."""
+                   w_layout: str = "enk", implementation: str | None = None,
+                   row_groups: jax.Array | None = None) -> jax.Array:
+  """[A, F] = silu(x @ w_gate[g]^T * scales) * (x @ w_up[g]^T * scales); see the module doc.
+  `row_groups`: as in grouped_matmul."""
   gate_view, up_view = _k_major_view(w_gate, w_layout), _k_major_view(w_up, w_layout)
-  _validate(x, gate_view, group_sizes, x_scale, gate_scale, out_dtype)
+  sizes_or_stand_in = _groups_of(x, gate_view, group_sizes, row_groups)
+  _validate(x, gate_view, sizes_or_stand_in, x_scale, gate_scale, out_dtype)
   common.check(w_up.shape == w_gate.shape and w_up.dtype == w_gate.dtype,
                f"w_up: {w_up.shape} {w_up.dtype} must match w_gate {w_gate.shape} "
                f"{w_gate.dtype}")
   common.check((gate_scale is None) == (up_scale is None),
                "gate_scale and up_scale: pass both (FP8 experts) or neither")
-  _validate(x, up_view, group_sizes, x_scale, up_scale, out_dtype)
-  group_sizes = schedule.safe_group_sizes(group_sizes, x.shape[0])
+  _validate(x, up_view, sizes_or_stand_in, x_scale, up_scale, out_dtype)
+  if row_groups is None:
+    group_sizes = schedule.safe_group_sizes(group_sizes, x.shape[0])
   plan = _plan(x, gate_view, x_scale, gate_scale, out_dtype, 2, w_layout, common.runnable_arch())
   impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla" or x.shape[0] == 0:
-    return reference.grouped_swiglu(x, _as_enk(w_gate, w_layout), _as_enk(w_up, w_layout),
-                                    group_sizes, x_scale=x_scale,
-                                    gate_scale=gate_scale, up_scale=up_scale,
-                                    out_dtype=out_dtype)
+    args = (x, _as_enk(w_gate, w_layout), _as_enk(w_up, w_layout))
+    kw = dict(x_scale=x_scale, gate_scale=gate_scale, up_scale=up_scale, out_dtype=out_dtype)
+    if row_groups is not None:
+      return reference.grouped_swiglu_rows(*args, row_groups, **kw)
+    return reference.grouped_swiglu(*args, group_sizes, **kw)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  return _arch_kernels()[1](x, w_gate, w_up, group_sizes.astype(jnp.int32), f32(x_scale),
+  i32 = lambda a: None if a is None else a.astype(jnp.int32)
+  return _arch_kernels()[1](x, w_gate, w_up, i32(group_sizes), f32(x_scale),
                             f32(gate_scale), f32(up_scale), out_dtype=jnp.dtype(out_dtype),
-                            w_kn=w_layout == "ekn", cfg=plan.config)
+                            w_kn=w_layout == "ekn", cfg=plan.config, row_groups=i32(row_groups))

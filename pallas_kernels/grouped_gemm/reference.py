@@ -57,3 +57,29 @@ def grouped_swiglu(x, w_gate, w_up, group_sizes, *, x_scale=None, gate_scale=Non
   up = grouped_matmul(x, w_up, group_sizes, x_scale=x_scale, w_scale=up_scale,
                       out_dtype=jnp.float32)
   return (jax.nn.silu(gate) * up).astype(out_dtype)
+
+
+def grouped_matmul_rows(x, w, row_groups, *, x_scale=None, w_scale=None, out_dtype=jnp.bfloat16):
+  """Rows in any order, row a against w[row_groups[a]] (the per-row schedule's semantics): each
+  row's expert weight gathered, so for a few rows (decode) only; a group outside [0, E) gives 0."""
+  num_groups = w.shape[0]
+  g = row_groups.astype(jnp.int32)
+  valid = (g >= 0) & (g < num_groups)
+  g = jnp.clip(g, 0, num_groups - 1)
+  if w.dtype == FP8 and x.dtype != FP8:
+    w = w.astype(x.dtype)
+  acc = jnp.einsum("ak,ank->an", x, w[g], preferred_element_type=jnp.float32)
+  if x_scale is not None:
+    acc = acc * x_scale.astype(jnp.float32)[:, None]
+  if w_scale is not None:
+    acc = acc * w_scale.astype(jnp.float32)[g]
+  return jnp.where(valid[:, None], acc, 0.0).astype(out_dtype)
+
+
+def grouped_swiglu_rows(x, w_gate, w_up, row_groups, *, x_scale=None, gate_scale=None,
+                        up_scale=None, out_dtype=jnp.bfloat16):
+  gate = grouped_matmul_rows(x, w_gate, row_groups, x_scale=x_scale, w_scale=gate_scale,
+                             out_dtype=jnp.float32)
+  up = grouped_matmul_rows(x, w_up, row_groups, x_scale=x_scale, w_scale=up_scale,
+                           out_dtype=jnp.float32)
+  return (jax.nn.silu(gate) * up).astype(out_dtype)

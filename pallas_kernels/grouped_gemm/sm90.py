@@ -16,16 +16,17 @@ def _config(n, num_weights, w_kn):
   return dataclasses.replace(config(n), w_kn=w_kn)
 
 
-def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype, w_kn=False, cfg=None):
+def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype, w_kn=False, cfg=None,
+                   row_groups=None):
   """`cfg`: the planner's (grouped_gemm.plan); default this architecture's tiles."""
   cfg = cfg or _config(w.shape[2 if w_kn else 1], 1, w_kn)
   return kernel.grouped_kernel(x, (w,), group_sizes, x_scale, (w_scale,), out_dtype,
-                               lambda acc: acc, cfg, "sm90")
+                               lambda acc: acc, cfg, "sm90", row_groups)
 
 
 def grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale, gate_scale, up_scale, out_dtype,
-                   w_kn=False, cfg=None):
+                   w_kn=False, cfg=None, row_groups=None):
   """Two accumulators share each x tile; only silu(gate) * up leaves the SM."""
   cfg = cfg or _config(w_gate.shape[2 if w_kn else 1], 2, w_kn)
   return kernel.grouped_kernel(x, (w_gate, w_up), group_sizes, x_scale, (gate_scale, up_scale),
-                               out_dtype, kernel.silu_times, cfg, "sm90")
+                               out_dtype, kernel.silu_times, cfg, "sm90", row_groups)
