@@ -55,6 +55,15 @@ def pallas_support(x_dtype, w_dtype, n: int, k: int, w_layout: str = "nk", *, m:
   return p.supported, p.why
 
 
+def row_tile(m: int, n: int, k: int, x_dtype, w_dtype, w_layout: str = "nk", *,
+             out_dtype=jnp.bfloat16, arch: str | None = None) -> int:
+  """The rows the kernel pads x to a multiple of (its CTA's M; 1 when it does not take the call):
+  a caller that pads before quantizing x makes the padded rows and their scales in the
+  quantization's own launches (the kernel then pads nothing)."""
+  p = plan_lib.plan(m, n, k, x_dtype, w_dtype, w_layout=w_layout, out_dtype=out_dtype, arch=arch)
+  return p.config.cta_m if p.supported else 1
+
+
 def default_config(m: int, n: int, k: int, dtype, w_layout: str = "nk",
                    arch: str | None = None) -> sm90.Config | None:
   """The planner's config (None when nothing fits)."""
