@@ -446,6 +446,13 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
           si_down):
     """groups: per-row expert ids (by_row) or group sizes of rows sorted by expert."""
     where = dict(row_groups=groups) if by_row else dict(group_sizes=groups)
+    rows = x_rows.shape[0]
+    if by_row:
+      # Padded to the kernel's row tile before quantizing (the pad fuses into the quantization;
+      # the kernel stores the padding rows as zeros), and sliced back at the end.
+      tile = grouped_gemm.row_tile(rows, gate, x_dtype=in_dtype, w_scale=s_gate,
+                                   w_layout=layout, out_dtype=x_nd.dtype, swiglu=True)
+      x_rows = jnp.pad(x_rows, ((0, -rows % tile), (0, 0)))
     xq, x_scale = rows_in(x_rows, si_gate)
     h = grouped_gemm.grouped_swiglu(xq, gate, up, **where, x_scale=x_scale,
                                     gate_scale=s_gate, up_scale=s_up, w_layout=layout,
@@ -453,7 +460,7 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
     hq, h_scale = rows_in(h, si_down)
     return grouped_gemm.grouped_matmul(hq, down, **where, x_scale=h_scale, w_scale=s_down,
                                        w_layout=layout, out_dtype=x_nd.dtype,
-                                       implementation=implementation)
+                                       implementation=implementation)[:rows]
 
   def make_args(rng):
     if by_row:  # random experts per row, repeats and one past the last (another shard's)

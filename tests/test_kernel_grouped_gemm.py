@@ -419,6 +419,24 @@ def test_row_groups_swiglu(arch):
   assert_rows_close(xla, expected, jnp.float32, f32_tol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_row_groups_for_the_first_rows_of_a_padded_x(arch):
+  # The caller padded x to the row tile before quantizing: 5 routed rows, then padding rows of
+  # nonzero junk that must come out 0 (one zero-group tile per block of the tail: 2 blocks).
+  row_groups = np.asarray([3, 0, 3, 40, 6])  # 40: past the 8 experts, a zero row
+  num_rows = 130 if arch == "sm100" else 70
+  x, w, _, scales = make_inputs(31, num_rows, 128, 64, [0] * 8, FP8)
+  expected = numpy_rows(x, w, np.concatenate([row_groups, np.full(num_rows - 5, -1)]), **scales)
+  rg = jnp.asarray(row_groups, jnp.int32)
+  with common.interpret(arch=arch):
+    out = jax.block_until_ready(grouped_matmul(x, w, row_groups=rg, **scales,
+                                               out_dtype=jnp.float32, implementation="pallas"))
+  assert_rows_close(out, expected, jnp.float32)
+  assert np.all(np.asarray(out)[5:] == 0) and np.abs(np.asarray(out)[:3]).min() > 0
+  xla = grouped_matmul(x, w, row_groups=rg, **scales, out_dtype=jnp.float32, implementation="xla")
+  assert_rows_close(xla, expected, jnp.float32)
+
+
 def test_row_schedule_gives_each_row_its_own_tile():
   sched = np.asarray(sched_lib.row_schedule(jnp.asarray([4, -1, 9, 4, 2]), 9, 64))
   assert sched.shape == (4, sched_lib.padded_tiles(5, 9, 64))
@@ -428,6 +446,14 @@ def test_row_schedule_gives_each_row_its_own_tile():
   np.testing.assert_array_equal(hi[:5], np.arange(1, 6))
   np.testing.assert_array_equal(block[:5], 0)
   assert (lo[5:] == hi[5:]).all()  # unused tiles own no rows
+  # x padded to 140 rows: the tail [5, 140) is one zero tile per 64-row block it touches
+  group, block, lo, hi = np.asarray(sched_lib.row_schedule(jnp.asarray([4, -1, 9, 4, 2]), 9, 64,
+                                                           num_rows=140))
+  np.testing.assert_array_equal(group[5:8], sched_lib.ZERO_GROUP)
+  np.testing.assert_array_equal(block[5:8], [0, 1, 2])
+  np.testing.assert_array_equal(lo[5:8], [5, 0, 0])
+  np.testing.assert_array_equal(hi[5:8], [64, 64, 12])
+  assert (lo[8:] == hi[8:]).all()
 
 
 def test_row_groups_bad_input_raises():
@@ -437,7 +463,8 @@ def test_row_groups_bad_input_raises():
     grouped_matmul(x, w, gs, row_groups=rg, **scales)
   with pytest.raises(common.KernelInputError, match="not both and not neither"):
     grouped_matmul(x, w, **scales)
-  with pytest.raises(common.KernelInputError, match=r"row_groups: expected shape \(8,\)"):
-    grouped_matmul(x, w, row_groups=rg[:3], **scales)
+  with pytest.raises(common.KernelInputError, match=r"row_groups: expected shape \(A',\) with "
+                     r"A' <= 8"):
+    grouped_matmul(x, w, row_groups=jnp.zeros((9,), jnp.int32), **scales)
   with pytest.raises(common.KernelInputError, match="at most E \\+ 1 rows"):
     grouped_matmul(x, w, row_groups=rg, **scales)  # 8 rows over 2 groups

@@ -48,14 +48,14 @@ def _groups_of(x, w, group_sizes, row_groups):
   if row_groups is None:
     return group_sizes
   num_rows, num_groups = x.shape[0], w.shape[0]
-  check(row_groups.shape == (num_rows,),
-        f"row_groups: expected shape ({num_rows},) (one group per row of x {x.shape}), got "
-        f"{row_groups.shape}")
+  check(row_groups.ndim == 1 and row_groups.shape[0] <= num_rows,
+        f"row_groups: expected shape (A',) with A' <= {num_rows} (a group for each of the first "
+        f"A' rows of x {x.shape}; the rest are padding, stored as 0), got {row_groups.shape}")
   check(jnp.issubdtype(row_groups.dtype, jnp.integer),
         f"row_groups: expected an integer dtype (int32), got {row_groups.dtype}")
-  check(num_rows <= num_groups + 1,
-        f"row_groups: {num_rows} rows over {num_groups} groups; the per-row schedule (one tile a "
-        f"row) takes at most E + 1 rows: sort rows by group and pass group_sizes")
+  check(row_groups.shape[0] <= num_groups + 1,
+        f"row_groups: {row_groups.shape[0]} rows over {num_groups} groups; the per-row schedule "
+        f"(one tile a row) takes at most E + 1 rows: sort rows by group and pass group_sizes")
   return jax.ShapeDtypeStruct((num_groups,), jnp.int32)
 
 
@@ -90,6 +90,19 @@ def _validate(x, w, group_sizes, x_scale, w_scale, out_dtype):
           f"{w.shape}), got {w_scale.shape}")
   check(jnp.dtype(out_dtype) in _OUT_DTYPES,
         f"out_dtype: {out_dtype} not supported; use bfloat16 or float32")
+
+
+def row_tile(num_rows: int, w, *, x_dtype, w_scale=None, w_layout: str = "enk",
+             out_dtype=jnp.bfloat16, swiglu: bool = False, arch: str | None = None) -> int:
+  """The rows the kernel pads x to a multiple of (1 when it does not take the call): a caller
+  that pads (and passes row_groups for its real rows) before quantizing x makes the padding in
+  the quantization's own launches."""
+  view = _k_major_view(w, w_layout)
+  scaled = w_scale is not None
+  p = plan_lib.plan(num_rows, view.shape[0], view.shape[1], view.shape[2], x_dtype, view.dtype,
+                    scaled=scaled, num_weights=2 if swiglu else 1, out_dtype=out_dtype,
+                    w_layout=w_layout, arch=arch)
+  return p.config.tile_m if p.supported else 1
 
 
 def _plan(x, w_enk, x_scale, w_scale, out_dtype, num_weights, w_layout, arch=None):
@@ -143,8 +156,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = N
                    row_groups: jax.Array | None = None) -> jax.Array:
   """[A, N] = per-group x @ w[g]^T, scaled by x_scale[a] * w_scale[g, n]; see the module doc.
   w_layout="ekn": bf16 w stored (E, K, N) (computing x @ w[g]), read as stored by the kernel.
-  `row_groups` [A] instead of group_sizes: each row's group, rows in any order (a few rows:
-  decode); a group outside [0, E) gives a zero row."""
+  `row_groups` [A' <= A] instead of group_sizes: the group of each of x's first A' rows, in any
+  order (a few rows: decode); a group outside [0, E), and rows past A' (x padded by the caller
+  to `row_tile`), give zero rows."""
   view = _k_major_view(w, w_layout)
   _validate(x, view, _groups_of(x, view, group_sizes, row_groups), x_scale, w_scale, out_dtype)
   if row_groups is None:

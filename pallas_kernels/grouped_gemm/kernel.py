@@ -82,8 +82,8 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
                    cfg: Config, arch: str, row_groups=None):
   """[A, N] = combine(*(scaled x @ w[g]^T for w in weights)): one accumulator per weight (1 or 2,
   same shape), combined elementwise in the epilogue (identity, or silu(gate) * up). Rows sorted
-  by group with `group_sizes`, or in any order with each row's group in `row_groups` [A]
-  (schedule.row_schedule: one tile per row, for decode's few rows)."""
+  by group with `group_sizes`, or in any order with each row's group in `row_groups` [A' <= A]
+  (schedule.row_schedule: one tile per row, for decode's few rows; rows past A' are 0)."""
   assert arch in ("sm90", "sm100"), arch
   num_rows, k = x.shape
   num_groups = weights[0].shape[0]
@@ -100,8 +100,8 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
 
   if row_groups is None:
     schedule = sched_lib.pack(sched_lib.tile_schedule(group_sizes, num_rows, tile_m))
-  else:
-    schedule = sched_lib.pack(sched_lib.row_schedule(row_groups, num_groups, tile_m))
+  else:  # x may be padded past the routed rows: its tail rows are stored as zeros
+    schedule = sched_lib.pack(sched_lib.row_schedule(row_groups, num_groups, tile_m, num_rows))
   # Whole row blocks are loaded, so pad x (and its scales) to a multiple of tile_m rows; the pad
   # rows are computed but never stored. No copy when A is already a multiple (prefill shapes).
   padded_rows = -(-num_rows // tile_m) * tile_m

@@ -61,9 +61,11 @@ def grouped_swiglu(x, w_gate, w_up, group_sizes, *, x_scale=None, gate_scale=Non
 
 def grouped_matmul_rows(x, w, row_groups, *, x_scale=None, w_scale=None, out_dtype=jnp.bfloat16):
   """Rows in any order, row a against w[row_groups[a]] (the per-row schedule's semantics): each
-  row's expert weight gathered, so for a few rows (decode) only; a group outside [0, E) gives 0."""
+  row's expert weight gathered, so for a few rows (decode) only; a group outside [0, E), and x's
+  rows past len(row_groups), give 0."""
   num_groups = w.shape[0]
   g = row_groups.astype(jnp.int32)
+  g = jnp.pad(g, (0, x.shape[0] - g.shape[0]), constant_values=-1)  # padding rows: 0
   valid = (g >= 0) & (g < num_groups)
   g = jnp.clip(g, 0, num_groups - 1)
   if w.dtype == FP8 and x.dtype != FP8:

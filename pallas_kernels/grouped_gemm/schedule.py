@@ -80,20 +80,30 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, tile_m: int) -> jax.Arr
   return jnp.stack([group, block, lo, hi]).astype(jnp.int32)
 
 
-def row_schedule(row_groups: jax.Array, num_groups: int, tile_m: int) -> jax.Array:
+def row_schedule(row_groups: jax.Array, num_groups: int, tile_m: int,
+                 num_rows: int | None = None) -> jax.Array:
   """The schedule of rows in ANY order, each its own tile: tile a = (row_groups[a], a's row block,
   [a's row in it, + 1)); a group outside [0, num_groups) is the zero group (its row stored as 0).
   For decode (a few rows, each routed on its own) this replaces the sort by expert, its inverse
-  scatter and the group-size scan: the caller keeps its row order. Same [4, padded_tiles] layout
-  as `tile_schedule`; needs A <= padded_tiles (always when A <= num_groups)."""
-  num_rows = row_groups.shape[0]
+  scatter and the group-size scan: the caller keeps its row order. `num_rows` (default A =
+  len(row_groups)): x's rows, when the caller padded x to the row tile; rows [A, num_rows) get
+  zero-group tiles, one per block. Same [4, padded_tiles] layout as `tile_schedule`; needs
+  A <= num_groups + 1."""
+  routed = row_groups.shape[0]
+  num_rows = routed if num_rows is None else num_rows
   total = padded_tiles(num_rows, num_groups, tile_m)
-  assert num_rows <= total, (num_rows, num_groups, tile_m)
   g = row_groups.astype(jnp.int32)
   g = jnp.where((g >= 0) & (g < num_groups), g, ZERO_GROUP)
-  a = jnp.arange(num_rows, dtype=jnp.int32)
-  fields = jnp.stack([g, a // tile_m, a % tile_m, a % tile_m + 1])
-  return jnp.pad(fields, ((0, 0), (0, total - num_rows)))  # unused tiles: lo == hi == 0
+  a = jnp.arange(routed, dtype=jnp.int32)
+  fields = [jnp.stack([g, a // tile_m, a % tile_m, a % tile_m + 1])]
+  if num_rows > routed:  # the padded tail: static, one zero tile per block it touches
+    blocks = range(routed // tile_m, -(-num_rows // tile_m))
+    tail = [[ZERO_GROUP, b, max(routed - b * tile_m, 0), min(num_rows - b * tile_m, tile_m)]
+            for b in blocks]
+    fields.append(jnp.asarray(tail, jnp.int32).T)
+  fields = jnp.concatenate(fields, axis=1)
+  assert fields.shape[1] <= total, (routed, num_rows, num_groups, tile_m)
+  return jnp.pad(fields, ((0, 0), (0, total - fields.shape[1])))  # unused: lo == hi == 0
 
 
 # TMA boxes hold at most 256 elements per dimension: the kernel copies the schedule flattened into
