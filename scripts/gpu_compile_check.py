@@ -10,13 +10,27 @@ autotuning (there is no device), so matmul configurations are XLA's defaults.
   .venv/bin/python scripts/gpu_compile_check.py            # H200 and B200, ~10 min on 2 cores
   .venv/bin/python scripts/gpu_compile_check.py --gpus h200 --kernels xla --checks decode
   .venv/bin/python scripts/gpu_compile_check.py --checks decode --programs step   # the step only
+  # the launch table (one command line):
+  .venv/bin/python scripts/gpu_compile_check.py --checks decode --programs step,verify,draft
+      --batch 1 --context 8192 --out benchmarks/results/gpu_launches_b1.md
 
 Checks, per GPU:
-  decode  the Maverick FP8 TP8 decode step (one token, all 48 layers, ModelOpt-style FP8 weights,
-          --batch rows over a --context KV cache, 8 compile-only devices, layout tp), kernels
-          "xla" and "pallas": whole-KV-shard copies / transposes in the step (a KV cache updated in
-          place has none), XLA:GPU's planned memory next to plan_memory.py's (CPU) numbers, the
-          Mosaic kernels in the program, and registers / spills of each kernel from ptxas.
+  decode  the Maverick FP8 TP8 decode programs (all 48 layers, FP8 weights, --batch rows over a
+          --context KV cache, 8 compile-only devices, layout tp), kernels "xla" and "pallas":
+          --programs loop / spec (maverick.generate / spec_decode.generate), step (one token a
+          row), verify (T=K+1=4 tokens a row, the EAGLE-3 features captured) and draft (one
+          chained step of NVIDIA's EAGLE-3 head). Whole-KV-shard copies / transposes (a KV cache
+          updated in place has none), XLA:GPU's planned memory next to plan_memory.py's (CPU)
+          numbers, the Mosaic kernels, registers / spills of each kernel from ptxas, and
+          KERNEL LAUNCHES (maverick.launches): every kernel node of XLA's thunk sequence (XLA
+          fusions, Mosaic custom calls, copies, memsets, collectives), a `while` body times its
+          trip count, a `conditional` at its smallest branch (and, in the next column, its
+          largest), a generate loop per iteration of its decode loop; by kind and per layer.
+          At batch 1 a step is launch-bound, so this count is its latency budget. For step,
+          verify and draft also a MODELED time (maverick.step_model, never a measurement):
+          max(bytes read / HBM bandwidth, flops / FP8 peak) + launches x 1.9 us (calibrated on
+          the one H200 measurement; 1.0 us with PDL is an assumption), and tokens/s per user,
+          plain and K=3 at an assumed acceptance length of 3.
   loops   maverick.generate and spec_decode.generate of the embedded pair (one device, the loop
           flags of maverick.gpu_flags on): whether each `while` sits inside a command buffer (a
           CUDA graph: the predicate stays on the device) or is driven by the host, and host
