@@ -779,7 +779,8 @@ def _gpu_in_child(argv: list[str], gpu: str) -> list[dict]:
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = _parse(argv)
-  dump_dir = os.environ.get("GCC_DUMP") or tempfile.mkdtemp(prefix="gpu_compile_check-")
+  # MAVERICK_GPU_DUMP_DIR: keep XLA's dumps (thunk sequences, HLO) there to read them afterwards.
+  dump_dir = os.environ.get("MAVERICK_GPU_DUMP_DIR") or tempfile.mkdtemp(prefix="gpu_compile_check-")
   _environment(dump_dir)
   gpus = args.gpus.split(",")
   if len(gpus) > 1:
