@@ -6,10 +6,11 @@ a measurement: every constant below is stated, and only the per-launch cost was 
 
 At batch 1 the step is launch-bound, so the second term decides it. The per-launch cost was
 calibrated on the one GPU measurement the project has: the XLA-path decode step of one TP8 rank
-shard on an H200 (loop flags off, no all-reduces: ~1,670 launches) took 3.164 ms, i.e. ~1.9 us a
-launch, while its bytes needed ~0.46 ms. With programmatic dependent launch (PDL) a kernel's
-prologue overlaps its predecessor's tail; how much of the 1.9 us that hides is NOT measured here:
-`PDL_LAUNCH_US` is an assumption, shown beside the plain figure, never alone.
+shard on an H200 (loop flags off, no all-reduces: ~1,670 launches) took 3.164 ms while its bytes
+needed ~0.46 ms at 4.8 TB/s: (3.164 - 0.46) ms / 1,670 = ~1.62 us a launch on top of the bytes
+(~1.9 us a launch with the bytes folded in). With programmatic dependent launch (PDL) a kernel's
+prologue overlaps its predecessor's tail; how much of the launch cost that hides is NOT measured
+here: `PDL_LAUNCH_US` is an assumption, shown beside the plain figure, never alone.
 
 Bytes read per device per step: every weight shard a token touches (the embedding table is a
 gather of a few rows, not read; of the routed experts only the ones the step's rows can select,
@@ -30,7 +31,7 @@ class GpuSpec:
 
 
 GPUS = {"h200": GpuSpec("H200", 4.8e12, 1.979e15), "b200": GpuSpec("B200", 8.0e12, 4.5e15)}
-LAUNCH_US = 1.9  # measured once: H200, XLA path, 3.164 ms / ~1,670 launches
+LAUNCH_US = (3.164e3 - 0.46e3) / 1670  # ~1.62: calibrated once (H200, XLA path), see above
 PDL_LAUNCH_US = 1.0  # an ASSUMPTION (not measured): the launch cost left with PDL on every kernel
 
 

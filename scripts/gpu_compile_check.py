@@ -28,7 +28,7 @@ Checks, per GPU:
           largest), a generate loop per iteration of its decode loop; by kind and per layer.
           At batch 1 a step is launch-bound, so this count is its latency budget. For step,
           verify and draft also a MODELED time (maverick.step_model, never a measurement):
-          max(bytes read / HBM bandwidth, flops / FP8 peak) + launches x 1.9 us (calibrated on
+          max(bytes read / HBM bandwidth, flops / FP8 peak) + launches x 1.62 us (calibrated on
           the one H200 measurement; 1.0 us with PDL is an assumption), and tokens/s per user,
           plain and K=3 at an assumed acceptance length of 3.
   loops   maverick.generate and spec_decode.generate of the embedded pair (one device, the loop
@@ -725,7 +725,7 @@ def modeled_table(rows: list[dict]) -> list[str]:
     return []
   out = ["", "Modeled, NOT measured (maverick.step_model): step = max(bytes read / HBM bandwidth, "
          "flops / FP8 peak) + launches x per-launch cost; "
-         f"{step_model.LAUNCH_US} us a launch (calibrated once on an H200), "
+         f"{step_model.LAUNCH_US:.2f} us a launch (calibrated once on an H200), "
          f"{step_model.PDL_LAUNCH_US} us with PDL (an assumption); K=3 rounds = verify + 3 draft "
          f"steps emitting {ACCEPTANCE} tokens (an assumed acceptance length):", "",
          "| gpu | kernels | program | launches | GB read / device | ms | ms with PDL |",

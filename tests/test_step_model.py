@@ -44,7 +44,11 @@ def test_bytes_read_count_the_experts_the_rows_can_pick_and_each_layers_visible_
 
 def test_step_time_is_the_slower_of_bytes_and_flops_plus_the_launches():
   h200 = step_model.GPUS["h200"]
-  assert step_model.step_seconds(100, 4.8e9, 0.0, "h200") == pytest.approx(1e-3 + 100 * 1.9e-6)
+  assert step_model.step_seconds(100, 4.8e9, 0.0, "h200") == pytest.approx(
+      1e-3 + 100 * step_model.LAUNCH_US * 1e-6)
+  # the calibration: the measured H200 step (1,670 launches, 0.46 ms of bytes) is 3.164 ms
+  assert step_model.step_seconds(1670, 0.46e-3 * h200.hbm_bytes_per_s, 0.0, "h200") == (
+      pytest.approx(3.164e-3))
   assert step_model.step_seconds(0, 0, h200.fp8_flops_per_s, "h200", launch_us=0) == 1.0
   assert step_model.step_seconds(10, 0, 0, "b200", launch_us=1.0) == pytest.approx(1e-5)
   # a K=3 round: verify 1 ms + 3 draft steps of 0.5 ms emitting 3 tokens -> 1200 tokens/s
