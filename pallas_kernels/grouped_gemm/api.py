@@ -203,7 +203,8 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     args = (x, _as_enk(w_gate, w_layout), _as_enk(w_up, w_layout))
     kw = dict(x_scale=x_scale, gate_scale=gate_scale, up_scale=up_scale, out_dtype=out_dtype)
     if row_groups is not None:
-      return reference.grouped_swiglu_rows(*args, row_groups, **kw)
+      return reference.grouped_swiglu(*args, row_groups, **kw,
+                                      matmul=reference.grouped_matmul_rows)
     return reference.grouped_swiglu(*args, group_sizes, **kw)
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
   i32 = lambda a: None if a is None else a.astype(jnp.int32)

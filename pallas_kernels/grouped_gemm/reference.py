@@ -50,12 +50,13 @@ def grouped_matmul(x, w, group_sizes, *, x_scale=None, w_scale=None, out_dtype=j
 
 
 def grouped_swiglu(x, w_gate, w_up, group_sizes, *, x_scale=None, gate_scale=None,
-                   up_scale=None, out_dtype=jnp.bfloat16):
-  """silu(gate) * up of the two scaled f32 products, cast once at the end."""
-  gate = grouped_matmul(x, w_gate, group_sizes, x_scale=x_scale, w_scale=gate_scale,
-                        out_dtype=jnp.float32)
-  up = grouped_matmul(x, w_up, group_sizes, x_scale=x_scale, w_scale=up_scale,
-                      out_dtype=jnp.float32)
+                   up_scale=None, out_dtype=jnp.bfloat16, matmul=None):
+  """silu(gate) * up of the two scaled f32 products, cast once at the end. `matmul`: the product
+  (default grouped_matmul: rows sorted by group; grouped_matmul_rows with row_groups)."""
+  matmul = matmul or grouped_matmul
+  gate = matmul(x, w_gate, group_sizes, x_scale=x_scale, w_scale=gate_scale,
+                out_dtype=jnp.float32)
+  up = matmul(x, w_up, group_sizes, x_scale=x_scale, w_scale=up_scale, out_dtype=jnp.float32)
   return (jax.nn.silu(gate) * up).astype(out_dtype)
 
 
@@ -76,12 +77,3 @@ def grouped_matmul_rows(x, w, row_groups, *, x_scale=None, w_scale=None, out_dty
   if w_scale is not None:
     acc = acc * w_scale.astype(jnp.float32)[g]
   return jnp.where(valid[:, None], acc, 0.0).astype(out_dtype)
-
-
-def grouped_swiglu_rows(x, w_gate, w_up, row_groups, *, x_scale=None, gate_scale=None,
-                        up_scale=None, out_dtype=jnp.bfloat16):
-  gate = grouped_matmul_rows(x, w_gate, row_groups, x_scale=x_scale, w_scale=gate_scale,
-                             out_dtype=jnp.float32)
-  up = grouped_matmul_rows(x, w_up, row_groups, x_scale=x_scale, w_scale=up_scale,
-                           out_dtype=jnp.float32)
-  return (jax.nn.silu(gate) * up).astype(out_dtype)
