@@ -37,10 +37,11 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("maverick.generation", "maverick.quant.parity", "maverick.train")),
     ("spec_decode", "EAGLE-3 speculative decoding",
      ("spec_decode.*",)),
-    ("applications", "serving (image requests too), streaming, memory planning, evaluation, profiling, kernel sweeps, CLI "
-     "plumbing, the public `maverick` package",
+    ("applications", "serving (image requests too), streaming, memory planning, evaluation, profiling, kernel sweeps, "
+     "launch counts and the modeled step time, CLI plumbing, the public `maverick` package",
      ("maverick.serving.*", "maverick.streaming", "maverick.memory_plan", "maverick.evaluation",
-      "maverick.profiling", "maverick.kernel_sweep", "maverick.cli", "maverick.layers", "maverick")),
+      "maverick.profiling", "maverick.kernel_sweep", "maverick.launches", "maverick.step_model",
+      "maverick.cli", "maverick.layers", "maverick")),
 )
 
 # The source roots the table covers (scripts/, benchmarks/, tools/ and tests/ sit above them all).
