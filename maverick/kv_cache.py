@@ -104,6 +104,11 @@ def write(cache_layer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Arra
   Callers guarantee starts + T <= S (generate checks capacity on the host); dynamic_update_slice
   would otherwise clamp the start and silently shift the write.
   """
+  if cache_layer.shape[0] == 1:
+    # One row: a plain dynamic_update_slice (one in-place launch). vmap's scatter would, on GPU,
+    # become a bounds predicate + a select over the old slots + the update: three launches.
+    return jax.lax.dynamic_update_slice_in_dim(cache_layer, new.astype(cache_layer.dtype),
+                                               starts[0], axis=1)
   row_write = lambda c, x, s: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), s, axis=0)
   return jax.vmap(row_write)(cache_layer, new, starts)
 

@@ -201,6 +201,22 @@ def test_write_paged_and_gather_against_numpy():
   np.testing.assert_array_equal(np.asarray(past), pool)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_contiguous_write_against_numpy(batch):
+  """kv_cache.write puts row b's T new entries at slots starts[b] .. starts[b]+T-1 and leaves
+  every other slot (batch 1 takes a plain dynamic_update_slice, more rows vmap's scatter)."""
+  rng = np.random.default_rng(11 + batch)
+  S, K, D, T = 9, 2, 3, 2
+  cache = rng.normal(size=(batch, S, K, D)).astype(np.float32)
+  new = rng.normal(size=(batch, T, K, D)).astype(np.float32)
+  starts = np.array([5, 0, 7][:batch], np.int32)
+  want = cache.copy()
+  for b in range(batch):
+    want[b, starts[b]:starts[b] + T] = new[b]
+  got = kvc.write(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(starts))
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_paged_init_checks_and_no_block_constant():
   cfg = _config(None)
   assert kvc.NO_BLOCK == blocks.NO_BLOCK
