@@ -45,6 +45,7 @@ from pallas_kernels import decode_attention as decode
 from pallas_kernels import gemm as gemm_lib
 from pallas_kernels import grouped_gemm
 from pallas_kernels import prefill_attention as prefill
+from pallas_kernels import quantize_rows as quantize_lib
 from pallas_kernels import selfcheck
 from pallas_kernels.decode_attention import api as decode_api
 
@@ -296,7 +297,9 @@ def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, p
   scale_spec = P(*(by_letter[c] for c in ws if c not in contracted))
   reduce_axes = tuple(m for c in contracted for m in _mesh_axes(by_letter[c]))
   def local(x_, w_, s_, si_):
-    y = linear(spec, x_, w_, s_, quant, kernels, out_dtype, input_scale=si_)
+    # A fused site takes the GEMM's tile-padded rows as they are (no slice launch).
+    y = linear(spec, x_, w_, s_, quant, kernels, out_dtype, input_scale=si_,
+               keep_row_padding=fuse is not None and bool(reduce_axes))
     return y if y is not None or fuse is None else xla(x_, w_, s_, si_)
 
   return _on_shards(plan, local, (x, w, scale, input_scale), (x_spec, w_spec, scale_spec, P()),
@@ -316,6 +319,17 @@ def _quantize_static_rows(x2, input_scale):
   return quant_ops.quantize_static(x2, s), jnp.broadcast_to(s, x2.shape[:1])
 
 
+def _quantize_dynamic(x2, rows_out: int, ub, implementation: str):
+  """Per-token FP8 rows of x2 [M, K] zero-padded to `rows_out` (a kernel's row tile), with their
+  scales: on the kernel path one launch of the quantize kernel where it takes the shape (XLA
+  takes two, the max reduction and the scaled convert), else maverick.quant's XLA ops."""
+  if (implementation == "pallas"
+      and quantize_lib.pallas_support(*x2.shape, rows_out, x2.dtype)[0]):
+    return quantize_lib.quantize_rows(x2, rows_out, ub, implementation="pallas")
+  x2 = jnp.pad(x2, ((0, rows_out - x2.shape[0]), (0, 0)))
+  return quant_ops.quantize_rows(x2, (-1,), ub)
+
+
 def _activation_mode(quant, static: bool) -> str:
   """The probe key's activation part: static and dynamic quantization are different programs."""
   if static:
@@ -324,7 +338,8 @@ def _activation_mode(quant, static: bool) -> str:
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | None,
-           out_dtype=None, placement=None, input_scale=None, fuse: Fuse | None = None, xla=None):
+           out_dtype=None, placement=None, input_scale=None, fuse: Fuse | None = None, xla=None,
+           keep_row_padding: bool = False):
   """`maverick.quant.einsum` through the Pallas GEMM when the spec is x[batch..., C...] .
   w[C..., O...] (stored K-by-N) or w[O..., C...] (K-major) -> [batch..., O...], which covers every
   projection in the model: the operands then reshape for free into x [M, K] and w [K, N] / [N, K].
@@ -333,7 +348,9 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   `input_scale` (passed to the kernel as that scalar on every row). `placement` = (plan, w's
   logical axes as stored) on a sharded model: the GEMM runs per shard (`_sharded_linear`), and
   with `fuse` (a row-parallel site) returns (new residual, normed) (`xla(x, w, scale,
-  input_scale)`: the XLA product, for shards the GEMM kernel declines)."""
+  input_scale)`: the XLA product, for shards the GEMM kernel declines). `keep_row_padding`: the
+  kernel's product comes back as [rows padded to its tile, N] (for the fused all-reduce + norm,
+  which reads the first rows; a slice would be a launch)."""
   if kernels == "xla":
     return None
   if placement is not None:
@@ -362,20 +379,22 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   w_scale = None if scale is None else scale.reshape(n)
   out_dtype = out_dtype or x.dtype
 
-  def run(implementation, x2, w2, w_scale, input_scale):
+  def run(implementation, x2, w2, w_scale, input_scale, keep_row_padding=False):
     x_scale = None
     rows = x2.shape[0]
     if static or quantize_x:
-      # Padded to the kernel's row tile BEFORE quantizing: the pad fuses into the amax and the
-      # quantize launches, where padding the FP8 rows and their scales after took two more.
+      # Padded to the kernel's row tile while quantizing: the pad fuses into the quantization,
+      # where padding the FP8 rows and their scales after took two more launches.
       tile = gemm_lib.row_tile(rows, n, k, quant_ops.FP8, w2.dtype, layout, out_dtype=out_dtype)
-      x2 = jnp.pad(x2, ((0, -rows % tile), (0, 0)))
+      rows_out = rows + (-rows % tile)
     if static:
-      x2, x_scale = _quantize_static_rows(x2, input_scale)
+      x2, x_scale = _quantize_static_rows(jnp.pad(x2, ((0, rows_out - rows), (0, 0))),
+                                          input_scale)
     elif quantize_x:
-      x2, x_scale = quant_ops.quantize_rows(x2, (-1,), quant.activation_scale_ub)
-    return gemm_lib.gemm(x2, w2, x_scale, w_scale, w_layout=layout, out_dtype=out_dtype,
-                         implementation=implementation)[:rows]
+      x2, x_scale = _quantize_dynamic(x2, rows_out, quant.activation_scale_ub, implementation)
+    out = gemm_lib.gemm(x2, w2, x_scale, w_scale, w_layout=layout, out_dtype=out_dtype,
+                        implementation=implementation, keep_row_padding=keep_row_padding)
+    return out if keep_row_padding else out[:rows]
 
   def make_args(rng):
     return (_normal(rng, x2.shape, x2.dtype), _normal(rng, w2.shape, w2.dtype, 1 / math.sqrt(k)),
@@ -388,7 +407,9 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
       f" out={jnp.dtype(out_dtype).name}", make_args, run, PROBE_TOL)
   if not use_pallas(kernels, ok, probe):
     return None
-  return run("pallas", x2, w2, w_scale, input_scale if static else None).reshape(*batch, *w_out)
+  out = run("pallas", x2, w2, w_scale, input_scale if static else None,
+            keep_row_padding=keep_row_padding and len(w_out) == 1)
+  return out if keep_row_padding and len(w_out) == 1 else out.reshape(*batch, *w_out)
 
 
 def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str | None, *,
@@ -430,12 +451,13 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   s_gate, s_up, s_down = scales if fp8 else (None, None, None)
   si_gate, si_down = (input_scales[0], input_scales[2]) if static else (None, None)
 
-  def rows_in(a, input_scale):  # (kernel input, its per-row scale)
+  def rows_in(a, input_scale, rows_out, implementation):  # (kernel input, its per-row scale)
+    a = jnp.pad(a, ((0, rows_out - a.shape[0]), (0, 0))) if static or not fp8 else a
     if not fp8:
       return a, None
     if static:
       return _quantize_static_rows(a, input_scale)
-    return quant_ops.quantize_rows(a, (-1,), quant.activation_scale_ub)
+    return _quantize_dynamic(a, rows_out, quant.activation_scale_ub, implementation)
 
   # Decode and verify (a few rows): each row keeps its place with its own expert (the kernel's
   # per-row schedule), so no sort by expert, no gather and no scatter-add back: ~10 fewer
@@ -446,18 +468,18 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
           si_down):
     """groups: per-row expert ids (by_row) or group sizes of rows sorted by expert."""
     where = dict(row_groups=groups) if by_row else dict(group_sizes=groups)
-    rows = x_rows.shape[0]
+    rows = rows_out = x_rows.shape[0]
     if by_row:
-      # Padded to the kernel's row tile before quantizing (the pad fuses into the quantization;
+      # Padded to the kernel's row tile while quantizing (the pad fuses into the quantization;
       # the kernel stores the padding rows as zeros), and sliced back at the end.
       tile = grouped_gemm.row_tile(rows, gate, x_dtype=in_dtype, w_scale=s_gate,
                                    w_layout=layout, out_dtype=x_nd.dtype, swiglu=True)
-      x_rows = jnp.pad(x_rows, ((0, -rows % tile), (0, 0)))
-    xq, x_scale = rows_in(x_rows, si_gate)
+      rows_out = rows + (-rows % tile)
+    xq, x_scale = rows_in(x_rows, si_gate, rows_out, implementation)
     h = grouped_gemm.grouped_swiglu(xq, gate, up, **where, x_scale=x_scale,
                                     gate_scale=s_gate, up_scale=s_up, w_layout=layout,
                                     out_dtype=x_nd.dtype, implementation=implementation)
-    hq, h_scale = rows_in(h, si_down)
+    hq, h_scale = rows_in(h, si_down, h.shape[0], implementation)
     return grouped_gemm.grouped_matmul(hq, down, **where, x_scale=h_scale, w_scale=s_down,
                                        w_layout=layout, out_dtype=x_nd.dtype,
                                        implementation=implementation)[:rows]

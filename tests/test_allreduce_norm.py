@@ -63,6 +63,24 @@ def test_kernel_body_matches_numpy_in_interpret_mode():
     _close(y, y_ref)
 
 
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_row_padded_partial_reads_only_the_residual_rows(implementation):
+  """A GEMM's tile-padded product [R >= rows, D] goes in unsliced: the rows past the residual's
+  (NaN here) change nothing."""
+  rng = np.random.default_rng(4)
+  s, r = _bf16(rng, 3, 256), _bf16(rng, 1, 3, 256, scale=3.0)
+  w = jnp.asarray(rng.uniform(0.5, 2.0, 256), BF16)
+  padded = jnp.concatenate([s, jnp.full((5, 256), jnp.nan, BF16)])
+  with pallas_kernels.interpret():
+    h, y = api.residual_norm(padded, r, w, EPS, implementation=implementation)
+  h_ref, y_ref = _numpy_residual_norm(s.reshape(r.shape), r, w, EPS)
+  assert h.shape == y.shape == r.shape
+  _close(h, h_ref)
+  _close(y, y_ref)
+  with pytest.raises(pallas_kernels.KernelInputError, match=r"R >= 3"):
+    api.residual_norm(padded[:2], r, w, EPS, implementation=implementation)
+
+
 def test_reference_allreduce_under_shard_map_matches_numpy():
   """psum of the bf16-rounded partials of 8 devices, + residual, normed, on every device."""
   rng = np.random.default_rng(1)
@@ -266,9 +284,13 @@ def test_tp8_draft_embedding_lookup_fuses_and_matches_xla(reference_kernels):
     out, hlo = logits("pallas")
   rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
   assert rel < 2e-2 and np.mean(out.argmax(-1) == ref.argmax(-1)) >= 0.95, rel
-  fused = [(s[0], impl) for name, s, _, impl in reference_kernels
+  # (residual, impl): the partial is the residual's shape, or (o, down) the GEMM's rows as it
+  # padded them to its tile: [R >= B * T, D].
+  fused = [(s[1], impl) for name, s, _, impl in reference_kernels
            if name == "allreduce_residual_norm"]
   assert fused == [((B, T, D), "pallas")] * 3, fused
+  assert all(s[0] == s[1] or (len(s[0]) == 2 and s[0][0] >= B * T and s[0][1] == D)
+             for name, s, _, _ in reference_kernels if name == "allreduce_residual_norm")
   assert _all_reduces(hlo) == 3, _all_reduces(hlo)
 
 

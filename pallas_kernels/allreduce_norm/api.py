@@ -27,9 +27,11 @@ MAX_ROWS = 1024
 
 
 def _validate(x, residual, weight):
-  check(residual.ndim >= 1 and x.shape == residual.shape,
+  rows = math.prod(residual.shape[:-1])
+  padded = x.ndim == 2 and x.shape[0] >= rows and x.shape[1:] == residual.shape[-1:]
+  check(residual.ndim >= 1 and (x.shape == residual.shape or padded),
         f"allreduce_residual_norm: partial {x.shape} and residual {residual.shape} must have the "
-        f"same shape [..., D]")
+        f"same shape [..., D] (or partial [R >= {rows}, D]: a GEMM's tile-padded rows)")
   check(weight.shape == residual.shape[-1:],
         f"allreduce_residual_norm: weight has shape {weight.shape}; it must be the norm's [D] = "
         f"{residual.shape[-1:]}")
@@ -51,18 +53,29 @@ def pallas_support(shape, residual_dtype, weight_dtype) -> tuple[bool, str]:
 
 
 def _flat(fn, x, residual, weight):
+  """The kernel on [rows, D]; a row-padded partial goes in as it is (the kernel reads the first
+  `rows`: slicing it would be a launch of its own)."""
   d = residual.shape[-1]
   h, y = fn(x.reshape(-1, d).astype(PAYLOAD_DTYPE), residual.reshape(-1, d), weight)
   return h.reshape(residual.shape), y.reshape(residual.shape)
 
 
+def _unpadded(x, residual):
+  """A row-padded partial [R, D] cut to the residual's rows and shape (the XLA path)."""
+  if x.shape == residual.shape:
+    return x
+  return x[:math.prod(residual.shape[:-1])].reshape(residual.shape)
+
+
 def residual_norm(summed, residual, weight, eps: float, *, implementation: str | None = None):
-  """(residual + summed, RMSNorm of it times `weight`) on one device."""
+  """(residual + summed, RMSNorm of it times `weight`) on one device. `summed`: [..., D] like
+  the residual, or [R, D] with R >= its rows (a GEMM's tile-padded output; the rest ignored)."""
   _validate(summed, residual, weight)
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
-    return reference.residual_norm(summed.astype(reference.payload_dtype(residual.dtype)),
-                                   residual, weight, eps)
+    return reference.residual_norm(
+        _unpadded(summed, residual).astype(reference.payload_dtype(residual.dtype)), residual,
+        weight, eps)
   return _flat(lambda x, r, w: kernel.fused(x, r, w, eps), summed, residual, weight)
 
 
@@ -70,14 +83,15 @@ def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
                             implementation: str | None = None):
   """Inside shard_map: (residual + psum(partial) over `axis_name`, its RMSNorm times `weight`).
   `partial` [..., D]: this device's row-parallel partial sums (any float dtype; sent in the
-  residual's dtype);
+  residual's dtype), or [R, D] with R >= the residual's rows (a GEMM's tile-padded output);
   `residual` [..., D] and `weight` [D]: replicated over `axis_name`. The kernel's multimem load
   reduces over every axis of the mesh, so `axis_name` must name all of them (the others of size
   1 may be left out by the caller's plan: see maverick.kernels.allreduce_norm_axes)."""
   _validate(partial, residual, weight)
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
-    return reference.allreduce_residual_norm(partial, residual, weight, eps, axis_name)
+    return reference.allreduce_residual_norm(_unpadded(partial, residual), residual, weight, eps,
+                                             axis_name)
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   n = math.prod(lax.axis_size(a) for a in axes)
   return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, collective_axes=axes, num_devices=n),

@@ -39,7 +39,8 @@ def vec_size(d: int) -> int | None:
 
 
 def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_devices: int = 1):
-  """(new residual, normed), both [M, D] in residual.dtype. `collective_axes`: the mesh axes the
+  """(new residual, normed), both [M, D] in residual.dtype; `partial` [R >= M, D] (rows past M
+  are not read: a GEMM's tile padding needs no slice). `collective_axes`: the mesh axes the
   multimem load reduces over (inside shard_map; `num_devices` devices in all), or None for the
   single-device body (`partial` already summed)."""
   m, d = residual.shape

@@ -73,12 +73,16 @@ def default_config(m: int, n: int, k: int, dtype, w_layout: str = "nk",
 def gemm(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
          w_scale: jax.Array | None = None, *, out_dtype=jnp.bfloat16,
          w_layout: str = "nk", implementation: str | None = None,
-         config: sm90.Config | None = None) -> jax.Array:
+         config: sm90.Config | None = None, keep_row_padding: bool = False) -> jax.Array:
   """(x @ w.T) * x_scale[..., None] * w_scale -> [..., N] out_dtype, accumulated in f32.
 
   x [..., K] (bf16, or e4m3 quantized per row with f32 `x_scale` [...]); w [N, K] (bf16, or e4m3
   with f32 `w_scale` [N]); bf16 weights may also be stored [K, N] (`w_layout="kn"`, computing
-  x @ w). A missing scale is 1. Any number of rows (padded to the tile inside)."""
+  x @ w). A missing scale is 1. Any number of rows (padded to the tile inside).
+
+  `keep_row_padding`: return the kernel's [M_pad, N] rows as they are (rows past M unspecified),
+  for a consumer that reads only the first M (the fused all-reduce + norm): the slice would be a
+  launch of its own. The XLA path returns [M, N] then; M_pad >= M either way."""
   _validate(x, w, x_scale, w_scale, out_dtype, w_layout)
   n, k = w.shape if w_layout == "nk" else w.shape[::-1]
   m = math.prod(x.shape[:-1])
@@ -97,9 +101,10 @@ def gemm(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
   ws = None if w_scale is None else w_scale.astype(jnp.float32)
   if impl == "xla":
     w_nk = w if w_layout == "nk" else w.T
-    return reference.gemm(x2, w_nk, xs, ws, out_dtype=out_dtype).reshape(*lead, n)
+    out = reference.gemm(x2, w_nk, xs, ws, out_dtype=out_dtype)
+    return out if keep_row_padding else out.reshape(*lead, n)
   if m == 0:
-    return jnp.zeros((*lead, n), out_dtype)
+    return jnp.zeros((0, n) if keep_row_padding else (*lead, n), out_dtype)
   cfg = plan.config
   m_pad = -(-m // cfg.cta_m) * cfg.cta_m
   if (xs is None) != (ws is None):  # the kernel's epilogue takes both or neither
@@ -114,4 +119,4 @@ def gemm(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
     if xs is not None:
       out = out * xs[:, None] * ws[None, :]
     out = out.astype(out_dtype)
-  return out[:m].reshape(*lead, n)
+  return out if keep_row_padding else out[:m].reshape(*lead, n)
