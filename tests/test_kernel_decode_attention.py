@@ -227,6 +227,38 @@ def test_xla_reference_matches_model():
                                    np.asarray(want.astype(jnp.float32)), atol=1e-2, rtol=1e-2)
 
 
+def test_combine_kernel_matches_float64():
+  """The split combine kernel alone: P split partials with their log2-sum-exps, some splits
+  empty (-inf) and one row empty in every split (comes out 0), merged and laid out as
+  [B, T, H, Dh] with packed row m = t * G + g of kv head k -> head k * G + g. float64 NumPy
+  written here; bf16 partials and output (2**-9 relative each)."""
+  from pallas_kernels import interpret
+  from pallas_kernels.decode_attention import combine as combine_kernel
+  rng = np.random.default_rng(7)
+  P, B, K, T, G, Dh, Mpad = 6, 2, 2, 3, 5, 128, 64
+  out = jnp.asarray(rng.standard_normal((P, B * K, Mpad, Dh)), jnp.bfloat16)
+  lse = rng.standard_normal((P, B * K, Mpad)) * 4
+  lse[2] = -np.inf  # an empty split
+  lse[:, 1, 3] = -np.inf  # a row that sees nothing
+  with interpret():
+    got = combine_kernel.combine_rows(out, jnp.asarray(lse, jnp.float32), batch=B, steps=T,
+                                      groups=G, out_dtype=jnp.bfloat16)
+  o = np.asarray(out, np.float64)
+  want = np.zeros((B, T, K * G, Dh))
+  for b in range(B):
+    for k in range(K):
+      for t in range(T):
+        for g in range(G):
+          m, l = t * G + g, lse[:, b * K + k, t * G + g]
+          if np.all(np.isinf(l)):
+            continue
+          w = np.exp2(l - l.max())
+          want[b, t, k * G + g] = (w[:, None] * o[:, b * K + k, m]).sum(0) / w.sum()
+  assert got.shape == want.shape and got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=ATOL, rtol=RTOL)
+  assert np.all(np.asarray(got)[0, 0, G + 3] == 0)  # bk = 1: b = 0, k = 1; m = 3: t = 0, g = 3
+
+
 @pytest.mark.parametrize("S,arch", [(8192, "sm90"), (131072, "sm90"), (8192, "sm100")])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_lowers_at_maverick_shapes(S, arch, fp8):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels.decode_attention import combine as combine_kernel
 from pallas_kernels.decode_attention import plan as plan_lib
 from pallas_kernels.decode_attention import reference
 
@@ -227,13 +228,17 @@ def _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_st
       q_packed, k_cache, v_cache, ks, vs, pos_rows, cs_rows, tree_bits, bounds.astype(jnp.int32),
       num_kv_heads=K, num_splits=num_splits, block_kv=BLOCK_KV, sm_scale=sm_scale,
       compute_wgs=mode[2], stages=mode[3], tile_table=tiles)
+  if combine_kernel.supported_head_dim(Dh):  # one launch, where XLA's combine takes four
+    return combine_kernel.combine_rows(out, lse, batch=B, steps=T, groups=G, out_dtype=q.dtype)
   out = combine(out.astype(jnp.float32), lse)  # [B*K, Mpad, Dh] f32
   out = out[:, :M].reshape(B, K, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
   return out.astype(q.dtype)
 
 
 def combine(out, lse):
-  """Merges split partials: out [P, ..., Dh] (each normalised), lse [P, ...] (log2 units).
+  """Merges split partials: out [P, ..., Dh] (each normalised), lse [P, ...] (log2 units). The
+  XLA form, kept for head dims the combine kernel (combine.py) does not take and as its
+  reference.
 
   The weights' sum rides along as an extra column of ones, so one reduction gives both sums:
   three launches on a GPU (max, weights, sums), not four. (A variadic log-sum-exp reduce over
