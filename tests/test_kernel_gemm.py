@@ -97,6 +97,18 @@ def test_one_scale_and_leading_axes():
                              atol=1e-6 * mag.max())
 
 
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_keep_row_padding_returns_the_tile_rows(implementation):
+  """keep_row_padding: [M_pad, N] with the product in the first M rows (the kernel's 64-row tile
+  on the kernel path, M itself on XLA's); leading axes flattened."""
+  x, w, xs, ws = _inputs(4, 6, 64, 128, FP8, True)
+  with pallas_kernels.interpret():
+    out = gemm_lib.gemm(x.reshape(2, 3, 128), w, xs.reshape(2, 3), ws,
+                        implementation=implementation, keep_row_padding=True)
+  assert out.shape == ((64 if implementation == "pallas" else 6), 64)
+  _check(out[:6], *_reference(x, w, xs, ws))
+
+
 def test_xla_path_and_auto_on_cpu():
   x, w, xs, ws = _inputs(11, 7, 64, 128, FP8, True)
   ref, mag = _reference(x, w, xs, ws)
