@@ -14,6 +14,7 @@ FP8 = reference.FP8
 # Decode / verify rows: one block a row. Prefill's thousands of rows stay with XLA, where the two
 # launches are nothing next to the GEMM.
 MAX_ROWS = 1024
+_KERNEL = common.lowered_once(kernel.quantize, ("rows_out", "ub"))
 
 
 def pallas_support(m: int, k: int, rows_out: int, dtype) -> tuple[bool, str]:
@@ -42,4 +43,4 @@ def quantize_rows(x, rows_out: int | None = None, ub: float | None = None, *,
   ok, why = pallas_support(m, k, rows_out, x.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
     return reference.quantize_rows(x, rows_out, ub)
-  return kernel.quantize(x, rows_out, ub)
+  return _KERNEL(x, rows_out=rows_out, ub=ub)
