@@ -109,6 +109,48 @@ def test_keep_row_padding_returns_the_tile_rows(implementation):
   _check(out[:6], *_reference(x, w, xs, ws))
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+@pytest.mark.parametrize("m,ns,k,dtype,scaled", [
+    (3, (256, 128, 128), 256, FP8, True),  # q, k, v of a decode step: one launch
+    (5, (64, 64), 128, jnp.bfloat16, False),  # gate and up, bf16
+])
+def test_gemm_many_matches_float64(arch, m, ns, k, dtype, scaled):
+  """Several weights over one x in one kernel: each output its own product (a tile routed to
+  the wrong weight or the wrong columns of its weight shows); one Mosaic call when lowered."""
+  rng = np.random.default_rng(sum(ns) + m)
+  x, _, xs, _ = _inputs(m + k, m, 16, k, dtype, scaled)
+  ws = [jnp.asarray(rng.normal(size=(n, k)), dtype) for n in ns]
+  w_scales = ([jnp.asarray(rng.uniform(0.01, 2, size=n), jnp.float32) for n in ns]
+              if scaled else None)
+  with pallas_kernels.interpret(arch=arch):
+    outs = gemm_lib.gemm_many(x, ws, xs, w_scales, implementation="pallas")
+  assert len(outs) == len(ns)
+  for i, (out, w) in enumerate(zip(outs, ws)):
+    _check(out, *_reference(x, w, xs, None if w_scales is None else w_scales[i]))
+  text = pallas_kernels.lower_for_gpu(
+      lambda x, *ws: gemm_lib.gemm_many(x, ws, implementation="pallas"),
+      jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+      *[jax.ShapeDtypeStruct((n, k), jnp.bfloat16) for n in ns], arch=arch)
+  assert text.count("mosaic_gpu_v2(") == 1
+
+
+def test_gemm_many_with_a_k_split_and_bad_input():
+  """A K split: per-weight f32 partials reduced and scaled after the kernel."""
+  x, _, xs, _ = _inputs(11, 4, 16, 512, FP8, True)
+  rng = np.random.default_rng(12)
+  ws = [jnp.asarray(rng.normal(size=(n, 512)), FP8) for n in (128, 256)]
+  w_scales = [jnp.asarray(rng.uniform(0.01, 2, size=n), jnp.float32) for n in (128, 256)]
+  with pallas_kernels.interpret():
+    outs = gemm_lib.gemm_many(x, ws, xs, w_scales, implementation="pallas",
+                              config=sm90.Config(64, 64, 128, 2, "n", k_splits=2))
+  for out, w, s in zip(outs, ws, w_scales):
+    _check(out, *_reference(x, w, xs, s))
+  with pytest.raises(pallas_kernels.KernelInputError, match="1 w_scales for 2 weights"):
+    gemm_lib.gemm_many(x, ws, xs, w_scales[:1])
+  with pytest.raises(pallas_kernels.KernelInputError, match="same dtype"):
+    gemm_lib.gemm_many(x, [ws[0], ws[1].astype(jnp.bfloat16)], xs, w_scales)
+
+
 def test_xla_path_and_auto_on_cpu():
   x, w, xs, ws = _inputs(11, 7, 64, 128, FP8, True)
   ref, mag = _reference(x, w, xs, ws)

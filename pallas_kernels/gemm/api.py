@@ -16,7 +16,7 @@ from pallas_kernels.gemm import reference, sm90, sm100
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
-_KERNELS = {arch: common.lowered_once(m.gemm, ("cfg", "out_dtype"))
+_KERNELS = {arch: common.lowered_once(m.gemm_many, ("cfg", "out_dtype"))
             for arch, m in (("sm90", sm90), ("sm100", sm100))}
 TILE_K_BYTES = plan_lib.TILE_K_BYTES
 
@@ -83,12 +83,42 @@ def gemm(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
   `keep_row_padding`: return the kernel's [M_pad, N] rows as they are (rows past M unspecified),
   for a consumer that reads only the first M (the fused all-reduce + norm): the slice would be a
   launch of its own. The XLA path returns [M, N] then; M_pad >= M either way."""
-  _validate(x, w, x_scale, w_scale, out_dtype, w_layout)
-  n, k = w.shape if w_layout == "nk" else w.shape[::-1]
+  return gemm_many(x, (w,), x_scale, None if w_scale is None else (w_scale,),
+                   out_dtype=out_dtype, w_layout=w_layout, implementation=implementation,
+                   config=config, keep_row_padding=keep_row_padding)[0]
+
+
+def pallas_support_many(x_dtype, w_dtype, ns, k: int, w_layout: str = "nk", *, m: int,
+                        out_dtype=jnp.bfloat16, arch: str | None = None) -> tuple[bool, str]:
+  """(supported, why not) for `gemm_many` over weights of N = ns."""
+  p = plan_lib.plan_many(m, ns, k, x_dtype, w_dtype, w_layout=w_layout, out_dtype=out_dtype,
+                         arch=arch)
+  return p.supported, p.why
+
+
+def gemm_many(x: jax.Array, ws, x_scale: jax.Array | None = None, w_scales=None, *,
+              out_dtype=jnp.bfloat16, w_layout: str = "nk", implementation: str | None = None,
+              config: sm90.Config | None = None,
+              keep_row_padding: bool = False) -> tuple[jax.Array, ...]:
+  """`gemm` of one x with each weight of `ws` (same K, layout and dtype; `w_scales` a tuple like
+  `ws` or None): a tuple of products, in ONE kernel launch on the kernel path (q, k and v, or
+  gate and up, of a decode step: the launch, not the bytes, is the cost there)."""
+  ws = tuple(ws)
+  check(len(ws) >= 1, "gemm_many: pass at least one weight")
+  w_scales = (None,) * len(ws) if w_scales is None else tuple(w_scales)
+  check(len(w_scales) == len(ws),
+        f"gemm_many: {len(w_scales)} w_scales for {len(ws)} weights; pass one per weight or None")
+  check(len({w.dtype for w in ws}) == 1 and len({(s is None) for s in w_scales}) == 1,
+        "gemm_many: every weight must have the same dtype, and either all or none a scale")
+  for w, s in zip(ws, w_scales):
+    _validate(x, w, x_scale, s, out_dtype, w_layout)
+  w = ws[0]
+  ns = [v.shape[0] if w_layout == "nk" else v.shape[1] for v in ws]
+  k = x.shape[-1]
   m = math.prod(x.shape[:-1])
   arch = common.runnable_arch()
-  plan = plan_lib.plan(m, n, k, x.dtype, w.dtype, w_layout=w_layout, out_dtype=out_dtype,
-                       arch=arch)
+  plan = plan_lib.plan_many(m, ns, k, x.dtype, w.dtype, w_layout=w_layout, out_dtype=out_dtype,
+                            arch=arch)
   if config is not None and plan.supported:  # the caller's tiles: still only run what fits
     check(config.w_kn == (w_layout == "kn"),
           f"gemm: config.w_kn={config.w_kn} but w_layout={w_layout!r}")
@@ -98,25 +128,30 @@ def gemm(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
   lead = x.shape[:-1]
   x2 = x.reshape(-1, k)
   xs = None if x_scale is None else x_scale.reshape(-1).astype(jnp.float32)
-  ws = None if w_scale is None else w_scale.astype(jnp.float32)
+  wss = [None if s is None else s.astype(jnp.float32) for s in w_scales]
+  finish = lambda out, n: out if keep_row_padding else out[:m].reshape(*lead, n)
   if impl == "xla":
-    w_nk = w if w_layout == "nk" else w.T
-    out = reference.gemm(x2, w_nk, xs, ws, out_dtype=out_dtype)
-    return out if keep_row_padding else out.reshape(*lead, n)
+    return tuple(
+        finish(reference.gemm(x2, v if w_layout == "nk" else v.T, xs, s, out_dtype=out_dtype), n)
+        for v, s, n in zip(ws, wss, ns))
   if m == 0:
-    return jnp.zeros((0, n) if keep_row_padding else (*lead, n), out_dtype)
+    return tuple(jnp.zeros((0, n) if keep_row_padding else (*lead, n), out_dtype) for n in ns)
   cfg = plan.config
   m_pad = -(-m // cfg.cta_m) * cfg.cta_m
-  if (xs is None) != (ws is None):  # the kernel's epilogue takes both or neither
+  if (xs is None) != (wss[0] is None):  # the kernel's epilogue takes both or neither
     xs = jnp.ones((m,), jnp.float32) if xs is None else xs
-    ws = jnp.ones((n,), jnp.float32) if ws is None else ws
+    wss = [jnp.ones((n,), jnp.float32) if s is None else s for s, n in zip(wss, ns)]
   if m_pad != m:
     x2 = jnp.pad(x2, ((0, m_pad - m), (0, 0)))
     xs = None if xs is None else jnp.pad(xs, (0, m_pad - m))
-  out = _KERNELS[arch](x2, w, xs, ws, cfg=cfg, out_dtype=out_dtype)
-  if cfg.k_splits > 1:  # f32 partials: reduce, then the epilogue XLA fuses into the reduction
-    out = out.sum(0)
-    if xs is not None:
-      out = out * xs[:, None] * ws[None, :]
-    out = out.astype(out_dtype)
-  return out if keep_row_padding else out[:m].reshape(*lead, n)
+  outs = _KERNELS[arch](x2, ws, xs, None if xs is None else tuple(wss), cfg=cfg,
+                        out_dtype=out_dtype)
+  results = []
+  for out, s, n in zip(outs, wss, ns):
+    if cfg.k_splits > 1:  # f32 partials: reduce, then the epilogue XLA fuses into the reduction
+      out = out.sum(0)
+      if xs is not None:
+        out = out * xs[:, None] * s[None, :]
+      out = out.astype(out_dtype)
+    results.append(finish(out, n))
+  return tuple(results)

@@ -154,3 +154,14 @@ def check_config(cfg: sm90.Config, arch: str, in_dtype, out_dtype) -> resources.
   fit."""
   arch_cfg = sm100.config_for(cfg) if arch == "sm100" else cfg
   return resources.Plan.of(OP, arch, arch_cfg, usage(arch_cfg, arch, in_dtype, out_dtype))
+
+
+def plan_many(m: int, ns, k: int, x_dtype, w_dtype, *, w_layout: str = "nk",
+              out_dtype=jnp.bfloat16, arch: str | None = None) -> resources.Plan:
+  """One launch over several weights sharing x (`gemm_many`), of N = ns: the tiles of one N that
+  divides them all (their gcd), the K split sized by the SMs the whole N list leaves idle."""
+  arch = resources.plan_arch(arch)
+  g, total = math.gcd(*ns), sum(ns)
+  num_sms = max(1, resources.plan_num_sms(arch) * g // total)
+  return plan(m, g, k, x_dtype, w_dtype, w_layout=w_layout, out_dtype=out_dtype, arch=arch,
+              num_sms=num_sms)

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.gemm.sm90 import Config, _transforms
+from pallas_kernels.gemm.sm90 import Config, _n_of, _transforms, out_types
 
 TILE_M = 128  # one tcgen05 MMA covers 128 rows on one CTA
 PRODUCER_WARP, MMA_WARP = 0, 1
@@ -39,24 +39,39 @@ def config_for(cfg: Config) -> Config:
   return Config(TILE_M, tile_n, cfg.tile_k, cfg.stages, "n", cfg.k_splits, cfg.w_kn)
 
 
-def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, x_smem, w_smem, acc_tmem, out_smem,
-          row_scale_smem, col_scale_smem, loaded, consumed, mma_done, store_done, scales_loaded,
-          *, cfg: Config, out_dtype, epi_n: int):
+def _body(x_gmem, *refs, x_smem, w_smem, acc_tmem, out_smem, row_scale_smem, col_scale_smem,
+          loaded, consumed, mma_done, store_done, scales_loaded, cfg: Config, out_dtype,
+          epi_n: int, num_w: int):
+  """refs: w_0..w_{r-1}, xs, ws_0..ws_{r-1}, out_0..out_{r-1} (r = num_w); then the scratch."""
+  w_refs, xs_gmem = refs[:num_w], refs[num_w]
+  w_scales, outs = refs[num_w + 1:2 * num_w + 1], refs[2 * num_w + 1:]
   m_pad, k = x_gmem.shape
-  n = w_gmem.shape[1] if cfg.w_kn else w_gmem.shape[0]
   tm, tn, tk = TILE_M, cfg.tile_n, cfg.tile_k
-  m_tiles, n_tiles = m_pad // tm, n // tn
+  m_tiles = m_pad // tm
+  tiles_of = [_n_of(w, cfg) // tn for w in w_refs]
+  first_tile = [sum(tiles_of[:i]) for i in range(num_w)]
+  n_tiles = sum(tiles_of)
   k_steps = k // tk // cfg.k_splits
   wg = lax.axis_index("wg")
   scaled = xs_gmem is not None
+
+  def for_weight(n_all, fn):
+    """fn(i, n tile within weight i) for the weight that N tile `n_all` belongs to."""
+    if num_w == 1:
+      return fn(0, n_all)
+    for i in range(num_w):
+      @pl.when((n_all >= first_tile[i]) & (n_all < first_tile[i] + tiles_of[i]))
+      def _(i=i):
+        fn(i, n_all - first_tile[i])
 
   @plgpu.nd_loop((m_tiles * n_tiles * cfg.k_splits,), collective_axes="sm")
   def _work_item(info: plgpu.NDLoopInfo):
     (linear,) = info.index
     local = info.local_index
     tile, split = linear // cfg.k_splits, linear % cfg.k_splits
-    m_idx, n_idx = tile % m_tiles, tile // m_tiles
-    rows, cols = pl.ds(m_idx * tm, tm), pl.ds(n_idx * tn, tn)
+    m_idx, n_all = tile % m_tiles, tile // m_tiles
+    rows = pl.ds(m_idx * tm, tm)
+    cols_of = lambda n_idx: pl.ds(n_idx * tn, tn)
     acc_slot = lax.rem(local, 2)
     acc = acc_tmem.at[:, pl.ds(acc_slot * tn, tn)]
 
@@ -74,8 +89,12 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, x_smem, w_smem, acc_tmem, 
               plgpu.barrier_wait(consumed.at[slot])
             kk = pl.ds((split * k_steps + ki) * tk, tk)
             plgpu.copy_gmem_to_smem(x_gmem.at[rows, kk], x_smem.at[slot], loaded.at[slot])
-            w_tile = w_gmem.at[kk, cols] if cfg.w_kn else w_gmem.at[cols, kk]
-            plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], loaded.at[slot])
+
+            def load_w(i, n_idx):
+              w_gmem, cols = w_refs[i], cols_of(n_idx)
+              w_tile = w_gmem.at[kk, cols] if cfg.w_kn else w_gmem.at[cols, kk]
+              plgpu.copy_gmem_to_smem(w_tile, w_smem.at[slot], loaded.at[slot])
+            for_weight(n_all, load_w)
           lax.fori_loop(0, k_steps, step, None)
 
         @pl.when((warp == MMA_WARP) & (local > 1))  # the epilogue still reads this buffer
@@ -95,8 +114,8 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, x_smem, w_smem, acc_tmem, 
               plgpu.tcgen05_commit_arrive(mma_done.at[acc_slot])
           lax.fori_loop(0, k_steps, step, None)
 
-    @pl.when(wg == EPILOGUE_WG)
-    def _():
+    def epilogue(i, n_idx):
+      ws_gmem, out_gmem, cols = w_scales[i], outs[i], cols_of(n_idx)
       if scaled:
         plgpu.copy_gmem_to_smem(xs_gmem.at[rows], row_scale_smem, scales_loaded.at[0])
         plgpu.copy_gmem_to_smem(ws_gmem.at[cols], col_scale_smem, scales_loaded.at[1])
@@ -120,6 +139,10 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, x_smem, w_smem, acc_tmem, 
       plgpu.barrier_arrive(store_done.at[acc_slot])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # scale buffers are reused next tile
 
+    @pl.when(wg == EPILOGUE_WG)
+    def _():
+      for_weight(n_all, epilogue)
+
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -127,10 +150,17 @@ def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
   """Same contract as sm90.gemm (`cfg` from `config_for`: 128-row tiles)."""
   m_pad, _ = x.shape
   n = w.shape[1] if cfg.w_kn else w.shape[0]
+  return gemm_many(x, (w,), x_scale, None if w_scale is None else (w_scale,), cfg=cfg,
+                   out_dtype=out_dtype)[0]
+
+
+def gemm_many(x, ws, x_scale, w_scales, *, cfg: Config, out_dtype) -> tuple[jax.Array, ...]:
+  """Same contract as sm90.gemm_many (`cfg` from `config_for`)."""
+  m_pad, _ = x.shape
+  w = ws[0]
+  out_type = out_types(m_pad, [_n_of(v, cfg) for v in ws], cfg, out_dtype)
   if cfg.k_splits > 1:
-    out_shape, out_dtype, x_scale, w_scale = (cfg.k_splits, m_pad, n), jnp.float32, None, None
-  else:
-    out_shape = (m_pad, n)
+    out_dtype, x_scale, w_scales = jnp.float32, None, None
   tn, tk = cfg.tile_n, cfg.tile_k
   epi_n = epilogue_n(tn)
   in_tf = _transforms(tk, x.dtype)
@@ -149,8 +179,8 @@ def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
       scales_loaded=plgpu.Barrier(num_barriers=2),
   )
   kernel = plgpu.kernel(
-      functools.partial(_body, cfg=cfg, out_dtype=out_dtype, epi_n=epi_n),
-      out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+      functools.partial(_body, cfg=cfg, out_dtype=out_dtype, epi_n=epi_n, num_w=len(ws)),
+      out_type=out_type,
       grid=(common.num_sms(),),
       grid_names=("sm",),
       num_threads=2,
@@ -159,5 +189,5 @@ def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
   if x_scale is None:
-    return kernel(x, w, None, None)
-  return kernel(x, w, x_scale, w_scale)
+    return kernel(x, *ws, None, *([None] * len(ws)))
+  return kernel(x, *ws, x_scale, *w_scales)

@@ -1,6 +1,8 @@
 """Hopper (sm_90) GEMM: out[M, N] = (x[M, K] @ w[N, K].T) * x_scale[:, None] * w_scale[None, :].
 
-One kernel family for bf16 x bf16 and e4m3 x e4m3 (f32 accumulation either way).
+One kernel family for bf16 x bf16 and e4m3 x e4m3 (f32 accumulation either way). Several
+weights may share one x (`gemm_many`: q, k and v, or gate and up): their N tiles are one work
+list, each product goes to its own output, and the decode step spends one launch on them.
 
   grid: one CTA per SM, persistent over (m tile, n tile, k split) work items;
   warpgroups: 2 compute WGs (wgmma) + 1 memory WG issuing TMA (warp specialization);
@@ -55,10 +57,20 @@ def _transforms(tile_minor: int, dtype) -> tuple:
   return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
 
 
-def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: Config, out_dtype):
+def _n_of(w, cfg: Config) -> int:
+  return w.shape[1] if cfg.w_kn else w.shape[0]
+
+
+def _body(x_gmem, *refs, cfg: Config, out_dtype, num_w: int):
+  """refs: w_0..w_{r-1}, xs, ws_0..ws_{r-1}, out_0..out_{r-1} (r = num_w)."""
+  ws_refs, xs_gmem = refs[:num_w], refs[num_w]
+  w_scales, outs = refs[num_w + 1:2 * num_w + 1], refs[2 * num_w + 1:]
   m_pad, k = x_gmem.shape
-  n = w_gmem.shape[1] if cfg.w_kn else w_gmem.shape[0]
-  m_tiles, n_tiles = m_pad // cfg.cta_m, n // cfg.cta_n
+  w_gmem = ws_refs[0]
+  m_tiles = m_pad // cfg.cta_m
+  tiles_of = [_n_of(w, cfg) // cfg.cta_n for w in ws_refs]
+  first_tile = [sum(tiles_of[:i]) for i in range(num_w)]
+  n_tiles = sum(tiles_of)
   k_steps = k // cfg.tile_k // cfg.k_splits
   in_tf = _transforms(cfg.tile_k, x_gmem.dtype)
   out_tf = _transforms(cfg.tile_n, out_dtype)
@@ -95,12 +107,7 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: Config, out_dtype)
   def _scoped(pipeline_allocs, out_smem, row_scale_smem, col_scale_smem, scale_barriers):
     wg = lax.axis_index("wg")
 
-    @plgpu.nd_loop((m_tiles * n_tiles * cfg.k_splits,), collective_axes="sm")
-    def _work_item(info: plgpu.NDLoopInfo):
-      (linear,) = info.index
-      tile, split = linear // cfg.k_splits, linear % cfg.k_splits
-      # Consecutive work items share a w panel across m tiles (prefill) for L2 reuse.
-      m_idx, n_idx = tile % m_tiles, tile // m_tiles
+    def _tile(m_idx, n_idx, split, w_gmem, ws_gmem, out_gmem):
       wg_rows = pl.ds(wg * cfg.tile_m, cfg.tile_m) if split_m else slice(None)
       wg_cols = slice(None) if split_m else pl.ds(wg * cfg.tile_n, cfg.tile_n)
       row0 = m_idx * cfg.cta_m + (wg * cfg.tile_m if split_m else 0)
@@ -144,22 +151,49 @@ def _body(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: Config, out_dtype)
            else w_gmem.at[pl.ds(n_idx * cfg.cta_n, cfg.cta_n), k_range]),
           allocations=pipeline_allocs)
 
+    @plgpu.nd_loop((m_tiles * n_tiles * cfg.k_splits,), collective_axes="sm")
+    def _work_item(info: plgpu.NDLoopInfo):
+      (linear,) = info.index
+      tile, split = linear // cfg.k_splits, linear % cfg.k_splits
+      # Consecutive work items share a w panel across m tiles (prefill) for L2 reuse.
+      m_idx, n_all = tile % m_tiles, tile // m_tiles
+      if num_w == 1:
+        _tile(m_idx, n_all, split, ws_refs[0], w_scales[0], outs[0])
+        return
+      for i in range(num_w):  # the weight this N tile belongs to
+        @pl.when((n_all >= first_tile[i]) & (n_all < first_tile[i] + tiles_of[i]))
+        def _(i=i):
+          _tile(m_idx, n_all - first_tile[i], split, ws_refs[i], w_scales[i], outs[i])
+
   plgpu.wait_smem_to_gmem(0)
 
 
 def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
   """x [M_pad, K] (M_pad a multiple of cfg.cta_m), w [N, K] (or [K, N] with cfg.w_kn); scales f32 [M_pad], [N] or both None.
   Returns [M_pad, N] out_dtype, or f32 partials [k_splits, M_pad, N] (unscaled) when k_splits > 1."""
-  m_pad, _ = x.shape
-  n = w.shape[1] if cfg.w_kn else w.shape[0]
+  return gemm_many(x, (w,), x_scale, None if w_scale is None else (w_scale,), cfg=cfg,
+                   out_dtype=out_dtype)[0]
+
+
+def out_types(m_pad: int, ns, cfg: Config, out_dtype):
+  """The kernel's outputs for weights of N = ns: [M_pad, N] out_dtype each, or with a K split
+  the f32 partials [k_splits, M_pad, N]."""
   if cfg.k_splits > 1:
-    out_shape, out_dtype, x_scale, w_scale = (cfg.k_splits, m_pad, n), jnp.float32, None, None
-  else:
-    out_shape = (m_pad, n)
-  body = functools.partial(_body, cfg=cfg, out_dtype=out_dtype)
+    return tuple(jax.ShapeDtypeStruct((cfg.k_splits, m_pad, n), jnp.float32) for n in ns)
+  return tuple(jax.ShapeDtypeStruct((m_pad, n), out_dtype) for n in ns)
+
+
+def gemm_many(x, ws, x_scale, w_scales, *, cfg: Config, out_dtype) -> tuple[jax.Array, ...]:
+  """`gemm` of one x with each weight of `ws` (every N a multiple of cfg.cta_n), in one launch:
+  a tuple of outputs; `w_scales` a tuple like `ws` (with x_scale), or None."""
+  m_pad, _ = x.shape
+  out_type = out_types(m_pad, [_n_of(w, cfg) for w in ws], cfg, out_dtype)
+  if cfg.k_splits > 1:
+    out_dtype, x_scale, w_scales = jnp.float32, None, None
+  body = functools.partial(_body, cfg=cfg, out_dtype=out_dtype, num_w=len(ws))
   kernel = plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+      out_type=out_type,
       grid=(common.num_sms(),),
       grid_names=("sm",),
       num_threads=NUM_COMPUTE_WGS + 1,
@@ -167,5 +201,5 @@ def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
   if x_scale is None:
-    return kernel(x, w, None, None)
-  return kernel(x, w, x_scale, w_scale)
+    return kernel(x, *ws, None, *([None] * len(ws)))
+  return kernel(x, *ws, x_scale, *w_scales)
