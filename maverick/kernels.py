@@ -275,15 +275,10 @@ def sharded_embed_norm(tokens, table, scale, weight, eps: float, kernels: str | 
                              tokens, table, scale, weight)
 
 
-def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, plan, w_axes,
-                    fuse=None, xla=None):
-  """`linear` per shard: w split as the plan places it (its logical axes), x's contracted axes
-  split like w's, x's rows over the plan's batch axes; a sharded contraction (row-parallel o,
-  down) ends with one psum. Dynamic FP8 activations are then quantized per token over the LOCAL
-  slice (a finer scale than the XLA path's whole-row one, as in the sharded MoE); a static
-  `input_scale` is replicated (one scalar: every shard quantizes exactly as one device does).
-  `fuse`: the psum is the fused all-reduce + residual + norm; a local GEMM the kernel declines
-  then runs `xla` (the einsum's XLA path) on the shards, so the site always fuses."""
+def shard_specs(spec, x, plan, w_axes):
+  """(x, w, w scale, output) PartitionSpecs of a projection run per shard, and the mesh axes its
+  partial sums are reduced over (a row-parallel product): w split as the plan places it, x's
+  contracted axes split like w's, x's rows over the plan's batch axes."""
   xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
   w_spec = plan.spec(w_axes)
   by_letter = dict(zip(ws, w_spec))
@@ -296,6 +291,20 @@ def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, p
   out_spec = P(*(by_letter[c] if c in ws else by_letter_x[c] for c in out))
   scale_spec = P(*(by_letter[c] for c in ws if c not in contracted))
   reduce_axes = tuple(m for c in contracted for m in _mesh_axes(by_letter[c]))
+  return x_spec, w_spec, scale_spec, out_spec, reduce_axes
+
+
+def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, plan, w_axes,
+                    fuse=None, xla=None):
+  """`linear` per shard: w split as the plan places it (its logical axes), x's contracted axes
+  split like w's, x's rows over the plan's batch axes; a sharded contraction (row-parallel o,
+  down) ends with one psum. Dynamic FP8 activations are then quantized per token over the LOCAL
+  slice (a finer scale than the XLA path's whole-row one, as in the sharded MoE); a static
+  `input_scale` is replicated (one scalar: every shard quantizes exactly as one device does).
+  `fuse`: the psum is the fused all-reduce + residual + norm; a local GEMM the kernel declines
+  then runs `xla` (the einsum's XLA path) on the shards, so the site always fuses."""
+  x_spec, w_spec, scale_spec, out_spec, reduce_axes = shard_specs(spec, x, plan, w_axes)
+
   def local(x_, w_, s_, si_):
     # A fused site takes the GEMM's tile-padded rows as they are (no slice launch).
     y = linear(spec, x_, w_, s_, quant, kernels, out_dtype, input_scale=si_,
@@ -337,6 +346,24 @@ def _activation_mode(quant, static: bool) -> str:
   return f"acts={quant and quant.activations} ub={quant and quant.activation_scale_ub}"
 
 
+def gemm_shape(spec: str, x, w):
+  """(w layout "kn" / "nk", w's output shape, K, N, number of contracted axes) when `spec` is
+  x[batch..., C...] . w[C..., O...] or w[O..., C...] -> [batch..., O...] (a GEMM after free
+  reshapes), else None."""
+  xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
+  contracted = "".join(c for c in xs if c in ws and c not in out)
+  n_c = len(contracted)
+  if not contracted or xs[-n_c:] != contracted:
+    return None
+  if ws[:n_c] == contracted and out == xs[:-n_c] + ws[n_c:]:
+    layout, w_out = "kn", w.shape[n_c:]
+  elif ws[-n_c:] == contracted and out == xs[:-n_c] + ws[:-n_c]:
+    layout, w_out = "nk", w.shape[:-n_c]
+  else:
+    return None
+  return layout, w_out, math.prod(x.shape[-n_c:]), math.prod(w_out), n_c
+
+
 def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | None,
            out_dtype=None, placement=None, input_scale=None, fuse: Fuse | None = None, xla=None,
            keep_row_padding: bool = False):
@@ -356,18 +383,10 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   if placement is not None:
     return _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, *placement,
                            fuse=fuse, xla=xla)
-  xs, ws, out = quant_ops._expand_ellipsis(spec, x.ndim)
-  contracted = "".join(c for c in xs if c in ws and c not in out)
-  n_c = len(contracted)
-  if not contracted or xs[-n_c:] != contracted:
+  shape = gemm_shape(spec, x, w)
+  if shape is None:
     return None
-  if ws[:n_c] == contracted and out == xs[:-n_c] + ws[n_c:]:
-    layout, w_out = "kn", w.shape[n_c:]
-  elif ws[-n_c:] == contracted and out == xs[:-n_c] + ws[:-n_c]:
-    layout, w_out = "nk", w.shape[:-n_c]
-  else:
-    return None
-  k, n = math.prod(x.shape[-n_c:]), math.prod(w_out)
+  layout, w_out, k, n, n_c = shape
   static = _static(scale, quant, input_scale)
   quantize_x = scale is not None and quant is not None and quant.quantize_activations
   x_dtype = quant_ops.FP8 if quantize_x or static else x.dtype

@@ -22,7 +22,8 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("primitives", "FP8 primitives, kernel dispatch, the quantized contraction, the sharding plan, "
      "sampling, the KV cache, tokenizers, text corpora, the exported-program cache, "
      "image preprocessing",
-     ("maverick.quant.ops", "maverick.kernels", "maverick.quant.contraction",
+     ("maverick.quant.ops", "maverick.kernels", "maverick.multi_linear",
+      "maverick.quant.contraction",
       "maverick.sharding_plan", "maverick.sampling", "maverick.kv_cache", "maverick.tokenizer",
       "maverick.data", "maverick.program_cache", "maverick.vision.*")),
     ("model", "the Llama 4 model, its MoE, the vision tower, and the description of its weights",

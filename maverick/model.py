@@ -385,12 +385,13 @@ class Attention(nnx.Module):
 
   def project(self, x_btd, positions_bt):
     """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""
-    mm = lambda w, s, i: contraction.einsum("btd,dhk->bthk", x_btd, w[...], _value(s), self.quant,
-                                            kernels=self.kernels, placement=_placement(self, w),
-                                            input_scale=_value(i))
-    q = mm(self.q, self.q_scale, self.q_input_scale)
-    k = mm(self.k, self.k_scale, self.k_input_scale)
-    v = mm(self.v, self.v_scale, self.v_input_scale)
+    ws = (self.q, self.k, self.v)
+    q, k, v = contraction.einsum_many(
+        "btd,dhk->bthk", x_btd, tuple(w[...] for w in ws),
+        tuple(_value(s) for s in (self.q_scale, self.k_scale, self.v_scale)), self.quant,
+        kernels=self.kernels, placements=tuple(_placement(self, w) for w in ws),
+        input_scales=tuple(_value(i) for i in (self.q_input_scale, self.k_input_scale,
+                                                self.v_input_scale)))
     if self.use_rope:
       inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
       q = apply_rope(q, positions_bt, inv_freq)

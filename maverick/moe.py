@@ -231,10 +231,9 @@ def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Arra
   fuse: the down projection's all-reduce fused with the residual add and norm
   (`maverick.kernels.Fuse`; contraction.einsum then may return (new residual, normed))."""
   mm = functools.partial(contraction.einsum, kernels=kernels)
-  g = mm("...d,df->...f", x, gate_df, scales[0], quant, placement=placements[0],
-         input_scale=input_scales[0])
-  u = mm("...d,df->...f", x, up_df, scales[1], quant, placement=placements[1],
-         input_scale=input_scales[1])
+  g, u = contraction.einsum_many("...d,df->...f", x, (gate_df, up_df), scales[:2], quant,
+                                 kernels=kernels, placements=placements[:2],
+                                 input_scales=input_scales[:2])
   return mm("...f,fd->...d", jax.nn.silu(g) * u, down_fd, scales[2], quant,
             placement=placements[2], input_scale=input_scales[2], fuse=fuse)
 

@@ -100,7 +100,8 @@ def test_compile_failure_falls_back_to_xla_with_one_warning(monkeypatch):
 def test_numeric_mismatch_falls_back_to_xla_with_one_warning(monkeypatch):
   real = gemm_api._KERNELS["sm90"]
   monkeypatch.setitem(gemm_api._KERNELS, "sm90",
-                      lambda *a, **k: (real(*a, **k).astype(jnp.float32) * 1.05).astype(jnp.bfloat16))
+                      lambda *a, **k: tuple((o.astype(jnp.float32) * 1.05).astype(jnp.bfloat16)
+                                            for o in real(*a, **k)))
   outs, warned = _auto_linear_twice()
   _assert_fell_back(outs, warned, "disagrees with XLA")
 
@@ -108,7 +109,8 @@ def test_numeric_mismatch_falls_back_to_xla_with_one_warning(monkeypatch):
 def test_forced_pallas_skips_the_check_and_xla_never_probes(monkeypatch):
   real = gemm_api._KERNELS["sm90"]
   monkeypatch.setitem(gemm_api._KERNELS, "sm90",
-                      lambda *a, **k: (real(*a, **k).astype(jnp.float32) * 1.05).astype(jnp.bfloat16))
+                      lambda *a, **k: tuple((o.astype(jnp.float32) * 1.05).astype(jnp.bfloat16)
+                                            for o in real(*a, **k)))
   with pallas_kernels.interpret(detect_races=False), selfcheck.force():
     y, _ = _linear_call("pallas")
     assert y is not None

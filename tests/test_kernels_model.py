@@ -232,9 +232,9 @@ def _mosaic_calls(model, tokens_shape, decode: bool, arch: str = "sm90") -> int:
 @pytest.mark.slow
 def test_forward_lowers_with_every_kernel_for_sm90():
   model = model_lib.init_model(aligned_config(), seed=0)  # kernels=None: auto
-  # Per layer: q, k, v, o + 3 MLP / shared-expert GEMMs; + LM head; MoE layers: fused gate/up +
-  # down; attention: 4 layers.
-  gemms, grouped, attention = 4 * 7 + 1, 2 * 2, 4
+  # GEMM launches per layer: q/k/v (one gemm_many), o, MLP / shared-expert gate/up (one) and
+  # down; + LM head; MoE layers: fused gate/up + down; attention: 4 layers.
+  gemms, grouped, attention = 4 * 4 + 1, 2 * 2, 4
   assert _mosaic_calls(model, (2, 80), decode=False) == gemms + grouped + attention
   assert _mosaic_calls(model, (2, 1), decode=True) == gemms + grouped + attention
   kernels_lib.set_kernels(model, "xla")
@@ -245,7 +245,7 @@ def test_forward_lowers_with_every_kernel_for_sm90():
 def test_fp8_decode_lowers_with_every_kernel():
   """FP8 weights reach the kernels: K-major storage is what the FP8 GEMMs take."""
   model = _fp8_aligned_model()
-  gemms, grouped = 4 * 7 + 1, 2 * 2
+  gemms, grouped = 4 * 4 + 1, 2 * 2
   # Every FP8 GEMM's and grouped GEMM's input rows go through the quantize kernel (the bf16 LM
   # head's do not); head_dim 64 keeps the XLA split combine (the combine kernel takes 128).
   quantized = (gemms - 1) + grouped
@@ -256,7 +256,7 @@ def test_fp8_decode_lowers_with_every_kernel():
 def test_decode_lowers_with_every_kernel_for_sm100():
   """The decode step on Blackwell: every GEMM, grouped GEMM and the decode attention kernel."""
   model = model_lib.init_model(aligned_config(), seed=0)
-  gemms, grouped = 4 * 7 + 1, 2 * 2
+  gemms, grouped = 4 * 4 + 1, 2 * 2
   assert _mosaic_calls(model, (2, 1), decode=True, arch="sm100") == gemms + grouped + 4
 
 

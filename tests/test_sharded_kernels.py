@@ -27,6 +27,7 @@ from flax import nnx
 import pallas_kernels
 from maverick import config as config_lib
 from maverick import kernels as kernels_lib
+from maverick import multi_linear
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
 from maverick import sharding
@@ -46,7 +47,7 @@ def aligned_config():
       moe_layers=None, layer_types=None, attention_chunk_size=64)
 
 
-_ENTRY_POINTS = [(gemm, "gemm"), (grouped_gemm, "grouped_swiglu"),
+_ENTRY_POINTS = [(gemm, "gemm"), (gemm, "gemm_many"), (grouped_gemm, "grouped_swiglu"),
                  (grouped_gemm, "grouped_matmul"), (prefill_attention, "prefill_attention"),
                  (decode_attention, "decode_attention"),
                  (allreduce_norm, "allreduce_residual_norm")]
@@ -62,7 +63,8 @@ def reference_kernels(monkeypatch):
     original = getattr(module, name)
 
     def ref(*args, _original=original, _name=name, **kw):
-      seen.append((_name, tuple(a.shape for a in args if hasattr(a, "shape")), args[0].dtype,
+      seen.append((_name, tuple(a.shape for a in jax.tree.leaves(args) if hasattr(a, "shape")),
+                   args[0].dtype,
                    kw.get("implementation")))
       return _original(*args, **dict(kw, implementation="xla"))
     monkeypatch.setattr(module, name, ref)
@@ -117,8 +119,10 @@ def test_kernel_path_matches_sharded_xla(reference_kernels, layout, mesh_kw, loc
                                         (r, CAPACITY, h, 64), (r, 1))}
   assert {s[1] for s in calls["grouped_swiglu"]} == {(e, 128, f)}
   assert {s[1] for s in calls["grouped_matmul"]} == {(e, f, 128)}
-  # q/k/v (h heads of 64), MLP/shared gate/up, o/down: K or N is the local slice.
-  gemm_weights = {s[1] for s in calls["gemm"]}
+  # q/k/v (h heads of 64) and MLP/shared gate/up in one launch each (gemm_many: x, then the
+  # weights), o/down: K or N is the local slice.
+  gemm_weights = {s[1] for s in calls["gemm"]} | {w for s in calls["gemm_many"] for w in s[1:]}
+  assert {len(s) for s in calls["gemm_many"]} == {3, 4}, calls["gemm_many"]  # gate/up; q/k/v
   assert (128, h * 64) in gemm_weights and (h * 64, 128) in gemm_weights, gemm_weights
   assert all(128 in w and max(w) == 128 for w in gemm_weights), gemm_weights
 
@@ -155,7 +159,8 @@ def _main(hlo: str) -> str:
 # Per layer q, k, v, o + 3 dense-MLP / shared-expert GEMMs, + the LM head; the MoE layer's 2
 # grouped GEMMs; one attention kernel per layer. Kernels are shared functions
 # (common.lowered_once): counted at their call sites.
-GEMMS, GROUPED = 2 * 7 + 1, 2
+# GEMM launches: per layer q/k/v (one gemm_many), o, gate/up (one), down; + the LM head.
+GEMMS, GROUPED = 2 * 4 + 1, 2
 
 
 @pytest.mark.slow
@@ -175,7 +180,7 @@ def test_tp8_lowering_has_kernels_inside_shard_map(arch, what):
     if line.startswith("    %") and ("mosaic_gpu_v2" in line or any(c in line for c in kernel_calls)):
       raise AssertionError(f"a kernel outside shard_map: {line[:200]}")
   # (+ 1: the embedding lookup's fused site)
-  assert main.count("sdy.manual_computation(") == GEMMS - 3 + 2 + 1 + 1  # shared expert: in the MoE
+  assert main.count("sdy.manual_computation(") == GEMMS - 2 + 2 + 1 + 1  # shared expert (2 launches): in the MoE
   # Local shapes: one head of 64 per device (q / KV cache), the expert width 512 / 8.
   rows = f"{B}x1" if what == "decode" else f"{B}x{T}"
   assert f"tensor<{rows}x1x64xbf16>" in main
@@ -207,7 +212,9 @@ def test_tp8_xla_path_unchanged_and_kernel_path_collectives(reference_kernels):
   assert re.sub(r"@jit_\w+", "", lowered(None).as_text()) == re.sub(r"@jit_\w+", "", xla_text)
   with pallas_kernels.interpret():
     kernel = lowered("pallas")
-  assert kernel.as_text().count("sdy.manual_computation(") == GEMMS - 3 + 2 + 1 + 1
+  # One region per GEMM launch (the shared expert's two run inside the MoE's), per attention,
+  # the MoE and the embedding lookup.
+  assert kernel.as_text().count("sdy.manual_computation(") == GEMMS - 2 + 2 + 1 + 1
   for program in (xla, kernel):
     found = collectives(program.compile().as_text())
     assert len(found["all-reduce"]) == 2 * L + 1, "\n".join(found["all-reduce"])
@@ -272,6 +279,7 @@ def test_paged_decode_kernel_gets_local_pools_and_table(monkeypatch, layout, mes
     seen.append(tuple(a.shape for a in args))
     return original(*args, **dict(kw, implementation="xla"))
   monkeypatch.setattr(decode_attention, "decode_attention_paged", ref)
+  monkeypatch.setattr(multi_linear, "linear_many", lambda *a, **kw: None)
   for name, i in (("linear", 5), ("moe_experts", 6)):  # the kernels argument
     monkeypatch.setattr(kernels_lib, name, lambda *a, _f=getattr(kernels_lib, name), _i=i, **kw:
                         _f(*a[:_i], "xla", *a[_i + 1:], **kw))

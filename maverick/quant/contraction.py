@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from maverick import kernels as kernels_lib
+from maverick import multi_linear
 from maverick.quant.config import QuantConfig
 from maverick.quant.ops import _expand_ellipsis, kmajor_spec, quantize_rows, quantize_static
 
@@ -59,6 +60,25 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None
     if y is not None:
       return y
   return _xla_einsum(spec, x, w, scale, quant, out_dtype, input_scale)
+
+
+def einsum_many(spec: str, x: jax.Array, ws, scales, quant: QuantConfig | None = None,
+                out_dtype=None, kernels: str | None = "xla", placements=None,
+                input_scales=None) -> list[jax.Array]:
+  """[einsum(spec, x, w, scale, ...) for each weight] of one input x (q, k, v; gate, up): ONE
+  kernel launch for all of them where the GEMM kernel takes them (maverick.multi_linear; x
+  quantized once), else each its own `einsum`, the same math."""
+  n = len(ws)
+  placements = placements or (None,) * n
+  input_scales = input_scales or (None,) * n
+  if kernels != "xla" and len({s is None for s in scales}) == 1:
+    stored = spec if scales[0] is None else kmajor_spec(spec, x.ndim)
+    ys = multi_linear.linear_many(stored, x, ws, scales, quant, kernels, placements,
+                                  input_scales, out_dtype)
+    if ys is not None:
+      return list(ys)
+  return [einsum(spec, x, w, s, quant, out_dtype, kernels, p, si)
+          for w, s, p, si in zip(ws, scales, placements, input_scales)]
 
 
 def _xla_einsum(spec, x, w, scale, quant, out_dtype, input_scale):
