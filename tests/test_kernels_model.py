@@ -161,6 +161,42 @@ def test_fp8_linears_match_xla():
     assert _rel(out, ref) < 1e-2, spec
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_projections_of_one_input_in_one_launch_match_each_einsum(fp8):
+  """q, k, v of one x (heads 4 / 1 / 1 of 64) through einsum_many: one gemm_many launch (x
+  quantized once) against each projection's own XLA einsum; static activation scales take the
+  per-projection path (each weight's own scalar)."""
+  from maverick import multi_linear
+  from maverick.quant import contraction
+  from maverick.quant import ops as quant_ops
+  rng = np.random.default_rng(9)
+  qc = quant.QuantConfig() if fp8 else None
+  x = jnp.asarray(rng.standard_normal((2, 3, 128)), jnp.bfloat16)
+  ws, scales = [], []
+  for heads in (4, 1, 1):
+    w = rng.standard_normal((128, heads, 64)).astype(np.float32) * 0.1
+    if fp8:
+      q, s = quant.quantize_weight(w, (0,))
+      ws.append(quant.to_kmajor(q, (0,)))
+      scales.append(s)
+    else:
+      ws.append(jnp.asarray(w, jnp.bfloat16))
+      scales.append(None)
+  spec = "btd,dhk->bthk"
+  refs = [quant.einsum(spec, x, w, s, qc, kernels="xla") for w, s in zip(ws, scales)]
+  with pallas_kernels.interpret(detect_races=False):
+    outs = contraction.einsum_many(spec, x, ws, scales, qc, kernels="pallas")
+  launches = common.mosaic_call_sites(pallas_kernels.lower_for_gpu(
+      lambda x, *w: contraction.einsum_many(spec, x, w, scales, qc, kernels="pallas"), x, *ws))
+  assert launches == 1 + fp8  # the GEMMs, and the one quantization of x
+  for out, ref in zip(outs, refs):
+    assert out.shape == ref.shape and _rel(out, ref) < 1e-2
+  if fp8:
+    static = quant.QuantConfig(activations="static_per_tensor")
+    assert multi_linear.linear_many(quant_ops.kmajor_spec(spec, 3), x, ws, scales, static, "pallas",
+                                    input_scales=(jnp.float32(0.1),) * 3) is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n_tokens", [80, 3], ids=["grouped", "gathered"])
 def test_fp8_experts_match_xla(n_tokens):
