@@ -294,7 +294,11 @@ def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -
   k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
   in_top_k = jnp.arange(V) < k[:, None]
   probs = jax.nn.softmax(jnp.where(in_top_k, desc, -jnp.inf), axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  # A log-depth prefix sum, not jnp.cumsum: jax >= 0.12 lowers cumsum to an HLO `scan`, which
+  # XLA:GPU runs as a sequential `while` over the vocabulary (25,256 trips on a TP8 vocab shard)
+  # whose body is not a command-buffer command, so every loop around it (the speculative
+  # generate loop, even greedy) became host-driven.
+  mass_before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs
   keep = in_top_k & (mass_before < top_p[:, None])  # the first token is always kept
   n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
   threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)

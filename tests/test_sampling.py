@@ -115,3 +115,15 @@ def test_append_matches_python_reference():
     row = np.asarray(out.tokens[b])
     assert row[:n].tolist() == toks
     assert (row[n:] == pad).all()
+
+
+def test_top_p_filter_lowers_for_gpu_without_a_sequential_scan():
+  """jax >= 0.12 lowers jnp.cumsum for CUDA to `chlo.scan`, which XLA:GPU runs as a sequential
+  `while` over the vocabulary (25,256 trips on a TP8 shard) that cannot sit in a command buffer:
+  the speculative generate loop around it became host-driven. The filter's prefix sum must lower
+  without one (a log-depth associative scan)."""
+  import pallas_kernels
+  sd = jax.ShapeDtypeStruct
+  text = pallas_kernels.lower_for_gpu(sampling._filter_top_k_top_p, sd((2, 1000), jnp.float32),
+                                      sd((2,), jnp.int32), sd((2,), jnp.float32))
+  assert "scan" not in text and "while" not in text
