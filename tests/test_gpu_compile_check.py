@@ -181,17 +181,21 @@ def test_every_b200_kernel_config_compiles_without_spills(tmp_path):
                     or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
                     reason="needs jax's CUDA plugin (bash tools/setup.sh cuda12)")
 def test_kernel_path_decode_and_spec_loops_sit_in_command_buffers(tmp_path):
-  """Where the CUDA build is installed: with the kernels (2-layer Maverick TP8 shard, B200,
-  64-token prompts), no `while` of generate or spec generate is host-driven under the loop flags.
-  With dynamic-slice fusion on (XLA's default), the fused all-reduce + norm's operand slice
-  became a kDynamicSliceFusion and kept 1 (generate) and 3 (spec) loops host-driven. ~5 min."""
-  rows_json = tmp_path / "rows.json"
-  subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), "--gpus", "b200",
-                  "--checks", "decode", "--layers", "2", "--context", "8192", "--kernels",
-                  "pallas", "--programs", "loop,spec", "--prompt_len", "64", "--rows_json",
-                  str(rows_json)], check=True, timeout=1800, env=dict(os.environ, XLA_FLAGS=""))
-  rows = json.loads(rows_json.read_text())
-  assert len(rows) == 2 and all(r["status"] == "ok" for r in rows), rows
+  """Where the CUDA build is installed: with the kernels (2-layer Maverick TP8 shard), no `while`
+  of generate or spec generate is host-driven under the loop flags. B200, 64-token prompts: with
+  dynamic-slice fusion on (XLA's default) the fused all-reduce + norm's operand slice became a
+  kDynamicSliceFusion and kept 1 (generate) and 3 (spec) loops host-driven. H200, batch 1,
+  16-token prompts: the top-p filter's jnp.cumsum (a sequential chlo.scan over the vocab shard)
+  kept 3 spec loops host-driven. ~4 min."""
+  rows = []
+  for gpu, extra in (("b200", ["--prompt_len", "64"]), ("h200", ["--batch", "1"])):
+    rows_json = tmp_path / f"{gpu}.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), "--gpus", gpu,
+                    "--checks", "decode", "--layers", "2", "--context", "8192", "--kernels",
+                    "pallas", "--programs", "loop,spec", *extra, "--rows_json", str(rows_json)],
+                   check=True, timeout=1800, env=dict(os.environ, XLA_FLAGS=""))
+    rows += json.loads(rows_json.read_text())
+  assert len(rows) == 4 and all(r["status"] == "ok" for r in rows), rows
   assert all(r["while_in_command_buffer"] > 0 and r["while_host_driven"] == 0 for r in rows), rows
 
 
