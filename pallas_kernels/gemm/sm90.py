@@ -63,12 +63,12 @@ def _n_of(w, cfg: Config) -> int:
 
 def _body(x_gmem, *refs, cfg: Config, out_dtype, num_w: int):
   """refs: w_0..w_{r-1}, xs, ws_0..ws_{r-1}, out_0..out_{r-1} (r = num_w)."""
-  ws_refs, xs_gmem = refs[:num_w], refs[num_w]
+  w_refs, xs_gmem = refs[:num_w], refs[num_w]
   w_scales, outs = refs[num_w + 1:2 * num_w + 1], refs[2 * num_w + 1:]
   m_pad, k = x_gmem.shape
-  w_gmem = ws_refs[0]
+  w_gmem = w_refs[0]
   m_tiles = m_pad // cfg.cta_m
-  tiles_of = [_n_of(w, cfg) // cfg.cta_n for w in ws_refs]
+  tiles_of = [_n_of(w, cfg) // cfg.cta_n for w in w_refs]
   first_tile = [sum(tiles_of[:i]) for i in range(num_w)]
   n_tiles = sum(tiles_of)
   k_steps = k // cfg.tile_k // cfg.k_splits
@@ -158,12 +158,12 @@ def _body(x_gmem, *refs, cfg: Config, out_dtype, num_w: int):
       # Consecutive work items share a w panel across m tiles (prefill) for L2 reuse.
       m_idx, n_all = tile % m_tiles, tile // m_tiles
       if num_w == 1:
-        _tile(m_idx, n_all, split, ws_refs[0], w_scales[0], outs[0])
+        _tile(m_idx, n_all, split, w_refs[0], w_scales[0], outs[0])
         return
       for i in range(num_w):  # the weight this N tile belongs to
         @pl.when((n_all >= first_tile[i]) & (n_all < first_tile[i] + tiles_of[i]))
         def _(i=i):
-          _tile(m_idx, n_all - first_tile[i], split, ws_refs[i], w_scales[i], outs[i])
+          _tile(m_idx, n_all - first_tile[i], split, w_refs[i], w_scales[i], outs[i])
 
   plgpu.wait_smem_to_gmem(0)
 
