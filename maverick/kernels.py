@@ -29,6 +29,8 @@ only its mesh, rules, spec and batch_axis are used), passed in by the model.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -167,13 +169,16 @@ def _on_shards(plan, local_fn, args, in_specs, out_spec, reduce_axes=(), fuse=No
 
     def body(*shards):
       if fuse is not None:
-        *shards, r, w = shards
-        return fused_allreduce_norm(local_fn(*shards), r, w, fuse, reduce_axes, plan.mesh)
+        *shards, r, w, sems = shards
+        return fused_allreduce_norm(local_fn(*shards), r, w, fuse, reduce_axes, plan.mesh,
+                                    semaphores=sems)
       y = local_fn(*shards)
       return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
     if fuse is not None:
-      args, in_specs = (*args, fuse.residual, fuse.weight), (*in_specs, out_spec, P(None))
+      sems = site_semaphores(fuse.residual.shape)
+      args = (*args, fuse.residual, fuse.weight, sems)
+      in_specs = (*in_specs, out_spec, P(None), None if sems is None else P())
       out_spec = (out_spec, out_spec)
     return jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(in_specs), out_specs=out_spec,
                          check_vma=False)(*args)
@@ -192,6 +197,38 @@ class Fuse:
   kernels: str | None
 
 
+_SEMAPHORE_POOL: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "maverick_semaphore_pool", default=None)
+
+
+@contextlib.contextmanager
+def shared_semaphores():
+  """Within it (one model forward), the fused all-reduce sites share one semaphore buffer per row
+  count (`allreduce_norm.new_semaphores`; each kernel leaves it zeroed) instead of a zeroed buffer
+  each, which XLA copies into collective memory before every kernel: one launch a site."""
+  token = _SEMAPHORE_POOL.set({})
+  try:
+    yield
+  finally:
+    _SEMAPHORE_POOL.reset(token)
+
+
+def site_semaphores(residual_shape):
+  """Outside shard_map, at a fused site: the forward's shared semaphore buffer for these rows,
+  or None (no `shared_semaphores` context, nothing compiled for a GPU here, interpret mode,
+  whose single-device body takes none, or a jax without them)."""
+  pool = _SEMAPHORE_POOL.get()
+  if (pool is None or common.interpreting() or common.runnable_arch() is None
+      or not allreduce_norm.shared_semaphores_supported()):
+    return None
+  rows = math.prod(residual_shape[:-1])
+  if rows > allreduce_norm.MAX_ROWS:  # prefill: XLA's all-reduce, no kernel to share it
+    return None
+  if rows not in pool:
+    pool[rows] = allreduce_norm.new_semaphores(rows)
+  return pool[rows]
+
+
 def fuses_residual_norm(plan, kernels: str | None) -> bool:
   """Whether a layer's row-parallel sites (o, FFN down / MoE) end in the fused all-reduce +
   residual + norm: on a sharded model's kernel path (a kernel could run here, so a GPU or
@@ -204,11 +241,13 @@ def _single_node(mesh) -> bool:
   return len({d.process_index for d in mesh.devices.flat}) == 1
 
 
-def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mesh):
+def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mesh,
+                         semaphores=None):
   """Inside shard_map: (residual + psum(partial), its RMSNorm) through the multimem kernel when it
   can run (the reduce covers every mesh axis of size > 1, as multimem reduces over the whole
   mesh; one host; shapes it takes; and, in auto mode, its self-check on this mesh passed), else
-  psum of the bf16 payload + norm in XLA."""
+  psum of the bf16 payload + norm in XLA. `semaphores`: the local view of `site_semaphores`'s
+  buffer (passed into shard_map replicated), or None."""
   reduce_axes = tuple(reduce_axes)
   if not reduce_axes:
     return allreduce_norm.residual_norm(partial, residual, weight, fuse.eps, implementation="xla")
@@ -220,11 +259,18 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
   eps = fuse.eps
 
   def run(implementation, partials, residual, weight):  # partials: one [..., D] per device
-    def body(p, r, w):
-      return jnp.stack(allreduce_norm.allreduce_residual_norm(
-          p[0], r, w, eps, axes, implementation=implementation))
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P()), out_specs=P(),
-                         check_vma=False)(partials, residual, weight)
+    # Two sites in a row, as in a layer: on the kernel path they share one semaphore buffer
+    # (shared_semaphores), which the first must leave zeroed for the second.
+    sems = None
+    if implementation == "pallas" and allreduce_norm.shared_semaphores_supported():
+      sems = allreduce_norm.new_semaphores(math.prod(residual.shape[:-1]))
+
+    def body(p, r, w, s):
+      site = lambda r: allreduce_norm.allreduce_residual_norm(
+          p[0], r, w, eps, axes, implementation=implementation, semaphores=s)
+      return jnp.stack(site(site(r)[0]))
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P(), P()), out_specs=P(),
+                         check_vma=False)(partials, residual, weight, sems)
 
   def make_args(rng):
     return (_normal(rng, (n, *partial.shape), allreduce_norm.PAYLOAD_DTYPE),
@@ -235,8 +281,10 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
       "allreduce_norm", f"partial {_sig(partial)} over {n} devices + residual {_sig(residual)}",
       f"{_sig(partial, residual, weight)} eps={eps} axes={axes}", make_args, run, PROBE_TOL)
   if use_pallas(fuse.kernels, ok, probe):
+    if semaphores is not None and semaphores.shape != (2 * math.prod(residual.shape[:-1]),):
+      semaphores = None  # rows split over devices: not the buffer's (the kernel's own then)
     return allreduce_norm.allreduce_residual_norm(partial, residual, weight, eps, axes,
-                                                  implementation="pallas")
+                                                  implementation="pallas", semaphores=semaphores)
   return allreduce_norm.allreduce_residual_norm(partial, residual, weight, eps, reduce_axes,
                                                 implementation="xla")
 
@@ -257,7 +305,7 @@ def sharded_embed_norm(tokens, table, scale, weight, eps: float, kernels: str | 
   out_spec = P(rows, *([None] * tokens.ndim))
   fuse = Fuse(None, None, eps, kernels)
 
-  def body(tok, w, s, nw):
+  def body(tok, w, s, nw, sems):
     n = w.shape[0]
     local = tok - jax.lax.axis_index(vocab) * n
     mine = (local >= 0) & (local < n)
@@ -266,13 +314,16 @@ def sharded_embed_norm(tokens, table, scale, weight, eps: float, kernels: str | 
     if s is not None:
       part = part.astype(jnp.float32) * jnp.take(s, at, axis=0)[..., None]
     part = jnp.where(mine[..., None], part.astype(dtype), jnp.zeros((), dtype))
-    return fused_allreduce_norm(part, jnp.zeros_like(part), nw, fuse, vocab, plan.mesh)
+    return fused_allreduce_norm(part, jnp.zeros_like(part), nw, fuse, vocab, plan.mesh,
+                                semaphores=sems)
 
+  sems = site_semaphores((*tokens.shape, 1))
   with selfcheck.on_mesh(plan.mesh):
     return jax.shard_map(body, mesh=plan.mesh,
-                         in_specs=(P(rows), t_spec, P(t_spec[0]), P(None)),
+                         in_specs=(P(rows), t_spec, P(t_spec[0]), P(None),
+                                   None if sems is None else P()),
                          out_specs=(out_spec, out_spec), check_vma=False)(
-                             tokens, table, scale, weight)
+                             tokens, table, scale, weight, sems)
 
 
 def shard_specs(spec, x, plan, w_axes):

@@ -636,6 +636,7 @@ class Llama4(nnx.Module):
                               out_dtype=jnp.float32, kernels=self.kernels,
                               placement=_placement(self, self.lm_head))
 
+  @kernels_lib.shared_semaphores()  # the forward's fused all-reduce sites share one buffer
   def __call__(self, tokens_bt, positions_bt=None,
                cache: kvc.KVCache | kvc.PagedKVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,

@@ -293,8 +293,9 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
       if ex is not None:  # every expert shard has the shared expert's slice: count it once
         s = jnp.where(jax.lax.axis_index(ex) == 0, s, jnp.zeros_like(s))
     if fuse is not None:
-      r, w = fused_in
-      return kernels_lib.fused_allreduce_norm(y + s, r, w, fuse, reduce_axes, plan.mesh)
+      r, w, sems = fused_in
+      return kernels_lib.fused_allreduce_norm(y + s, r, w, fuse, reduce_axes, plan.mesh,
+                                              semaphores=sems)
     return jax.lax.psum(y + s, reduce_axes) if reduce_axes else y + s
 
   scale_specs = lambda ss, specs: tuple(None if s is None else p for s, p in zip(ss, specs))
@@ -308,6 +309,7 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
   s_gate, s_up, s_down = shared_scales
   statics = (router_input_scale, tuple(input_scales), tuple(shared_input_scales))
   static_specs = jax.tree.map(lambda _: P(), statics)
+  sems = None if fuse is None else kernels_lib.site_semaphores(fuse.residual.shape)
   f = jax.shard_map(
       local, mesh=plan.mesh,
       in_specs=(P(rows, None), P(None, None),
@@ -317,8 +319,9 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
                 None if router_scale is None else P(None),
                 scale_specs(scales, (P(ex, tp), P(ex, tp), P(ex, None))),
                 scale_specs(shared_scales, (P(tp), P(tp), P(None))), static_specs,
-                None if fuse is None else (P(rows, None), P(None))),
+                None if fuse is None else (P(rows, None), P(None),
+                                           None if sems is None else P())),
       out_specs=P(rows, None) if fuse is None else (P(rows, None),) * 2, check_vma=False)
-  fused_in = None if fuse is None else (fuse.residual, fuse.weight)
+  fused_in = None if fuse is None else (fuse.residual, fuse.weight, sems)
   return f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared, router_scale, tuple(scales),
            tuple(shared_scales), statics, fused_in)

@@ -9,6 +9,7 @@ TP8 model whose every row-parallel site fuses (lowered: one kernel per site, no 
 run with the entry swapped for its reference: same logits as the sharded XLA path).
 """
 
+import re
 import warnings
 
 import jax
@@ -174,6 +175,64 @@ def test_kernel_lowers_inside_shard_map_at_tp8_shard_shape(arch):
   assert "tensor<4x4x5120xbf16>" in hlo  # the payload enters the kernel as bf16
 
 
+_FUSED_CALL = re.compile(r"stablehlo\.custom_call @mosaic_gpu_v2\(([^)]*)\).*?"
+                         r"symmetric_memory_parameters.*? -> \(([^)]*)\)")
+
+
+def _fused_calls(hlo: str) -> list[tuple[int, str, int]]:
+  """(operand count, operand memory spaces, result count) of each multimem (fused) kernel call."""
+  calls = []
+  for line in hlo.splitlines():
+    m = _FUSED_CALL.search(line)
+    if m:
+      spaces = re.search(r'operands_memory_spaces = "([^"]*)"', line)
+      calls.append((len(m.group(1).split(",")), spaces.group(1) if spaces else "",
+                    len(m.group(2).split(", tensor")) ))
+  return calls
+
+
+@pytest.mark.skipif(not allreduce_norm.shared_semaphores_supported(),
+                    reason="this jax has no plgpu.alloc_semaphore (0.11.2): kernels keep their own")
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_sites_share_one_semaphore_buffer(arch):
+  """Three fused sites given one `new_semaphores` buffer: each kernel takes it as its last operand
+  in collective memory (space 7) and returns only (h, y), so XLA allocates it once; without it
+  each kernel returns its own zero-initialised scratch buffer, which XLA copies into collective
+  memory before every kernel (a launch a site; 96 in the 48-layer decode step)."""
+  mesh = sharding.make_mesh(tensor=8)
+  S = jax.ShapeDtypeStruct
+
+  def sites(shared):
+    def f(p, r, w):
+      sems = allreduce_norm.new_semaphores(4) if shared else None
+      body = lambda p, r, w, s: allreduce_norm.allreduce_residual_norm(
+          p, r, w, EPS, mesh.axis_names, implementation="pallas", semaphores=s)
+      for _ in range(3):
+        r, _ = jax.shard_map(body, mesh=mesh,
+                             in_specs=(P("tensor"), P(), P(), None if sems is None else P()),
+                             out_specs=(P(), P()), check_vma=False)(p, r, w, sems)
+      return r
+    hlo = pallas_kernels.lower_for_gpu(
+        f, S((8 * 4, 5120), jnp.float32, sharding=NamedSharding(mesh, P("tensor"))),
+        S((4, 5120), BF16), S((5120,), BF16), arch=arch)
+    # A shared buffer must be zero again when a kernel ends: its waits take back what they
+    # waited for (an atomic compare-and-swap; a wait that does not decrement is a plain poll).
+    assert "atom.relaxed.sys.global.cas.b32" in hlo
+    return _fused_calls(hlo)
+
+  assert sites(True) == [(4, "{0:7,3:7}", 2)] * 3
+  own = sites(False)  # the kernel's scratch: an aliased operand and result of its own
+  assert len(own) == 3 and all(results == 3 for _, _, results in own), own
+  with pytest.raises(common.KernelInputError, match=r"new_semaphores\(4\)"):
+    mesh1 = sharding.make_mesh(tensor=8)
+    jax.eval_shape(jax.shard_map(
+        lambda p, r, w, s: allreduce_norm.allreduce_residual_norm(
+            p, r, w, EPS, mesh1.axis_names, implementation="pallas", semaphores=s),
+        mesh=mesh1, in_specs=(P("tensor"), P(), P(), P()), out_specs=(P(), P()),
+        check_vma=False), S((32, 5120), jnp.float32), S((4, 5120), BF16), S((5120,), BF16),
+        S((6,), jnp.int32))
+
+
 def _fused_model():
   """aligned_config widened to D = 256 (the kernel's smallest row) with random norm weights (a
   norm applied with the wrong weight must show)."""
@@ -199,6 +258,11 @@ def test_tp8_decode_step_has_one_fused_kernel_per_site_and_no_all_reduce(arch):
   # their call sites (common.lowered_once)
   assert common.mosaic_call_sites(hlo) == 4 * L + 1 + 2 + L + 2 * L + 1
   assert '"stablehlo.all_reduce"(' not in hlo
+  if allreduce_norm.shared_semaphores_supported():
+    # Every fused site (2 a layer + the embedding lookup) takes the forward's one semaphore
+    # buffer (kernels.shared_semaphores), none a scratch buffer of its own.
+    calls = _fused_calls(hlo)
+    assert len(calls) == 2 * L + 1 and {c[1:] for c in calls} == {("{0:7,3:7}", 2)}, calls
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """Fused tensor-parallel all-reduce + residual add + RMSNorm (NVLink multimem)."""
 
-from pallas_kernels.allreduce_norm.api import (PAYLOAD_DTYPE, allreduce_residual_norm,
-                                               pallas_support, residual_norm)
+from pallas_kernels.allreduce_norm.api import (MAX_ROWS, PAYLOAD_DTYPE, allreduce_residual_norm,
+                                               new_semaphores, pallas_support, residual_norm,
+                                               shared_semaphores_supported)
 
-__all__ = ["PAYLOAD_DTYPE", "allreduce_residual_norm", "pallas_support", "residual_norm"]
+__all__ = ["MAX_ROWS", "PAYLOAD_DTYPE", "allreduce_residual_norm", "new_semaphores",
+           "pallas_support", "residual_norm", "shared_semaphores_supported"]

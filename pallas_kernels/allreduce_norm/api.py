@@ -79,20 +79,33 @@ def residual_norm(summed, residual, weight, eps: float, *, implementation: str |
   return _flat(lambda x, r, w: kernel.fused(x, r, w, eps), summed, residual, weight)
 
 
+new_semaphores = kernel.new_semaphores
+shared_semaphores_supported = kernel.shared_semaphores_supported
+
+
 def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
-                            implementation: str | None = None):
+                            implementation: str | None = None, semaphores=None):
   """Inside shard_map: (residual + psum(partial) over `axis_name`, its RMSNorm times `weight`).
   `partial` [..., D]: this device's row-parallel partial sums (any float dtype; sent in the
   residual's dtype), or [R, D] with R >= the residual's rows (a GEMM's tile-padded output);
   `residual` [..., D] and `weight` [D]: replicated over `axis_name`. The kernel's multimem load
   reduces over every axis of the mesh, so `axis_name` must name all of them (the others of size
-  1 may be left out by the caller's plan: see maverick.kernels.allreduce_norm_axes)."""
+  1 may be left out by the caller's plan: see maverick.kernels.allreduce_norm_axes).
+  `semaphores`: the kernel's semaphore buffer shared with the forward's other fused sites
+  (`new_semaphores(rows)`, passed into shard_map), or None for its own (one more launch: XLA
+  copies a zeroed buffer in)."""
   _validate(partial, residual, weight)
+  if semaphores is not None:
+    rows = math.prod(residual.shape[:-1])
+    check(semaphores.shape == (2 * rows,),
+          f"allreduce_residual_norm: semaphores {semaphores.shape}; these {rows} rows need "
+          f"new_semaphores({rows}) ({2 * rows},)")
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
     return reference.allreduce_residual_norm(_unpadded(partial, residual), residual, weight, eps,
                                              axis_name)
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   n = math.prod(lax.axis_size(a) for a in axes)
-  return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, collective_axes=axes, num_devices=n),
+  return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, collective_axes=axes, num_devices=n,
+                                            semaphores=semaphores),
                partial, residual, weight)

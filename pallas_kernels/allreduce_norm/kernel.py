@@ -15,7 +15,12 @@ Synchronisation (multimem reads the peers' buffers): every block signals a `read
 all devices before it reads and waits until every device did, so no device reads a peer's input
 before that peer's kernel started (its input is then written); after reading, a `done` barrier
 keeps every device's input alive until all peers finished reading it (as jax's
-`reduce_scatter_mgpu` does).
+`reduce_scatter_mgpu` does). Each block has its own pair, and every wait takes back what it waited
+for, so a kernel leaves its semaphores at zero: one buffer (`semaphores`, from
+`new_semaphores`) can then serve every fused site of a forward. Per-kernel scratch semaphores
+would be a fresh zeroed buffer in collective memory each: XLA copies one in before every kernel,
+a launch per site (97 in the 48-layer decode step). A peer's signal for the next kernel cannot
+land early: it sends it only after this kernel's `done`, which every block here has signalled.
 """
 
 from __future__ import annotations
@@ -38,22 +43,46 @@ def vec_size(d: int) -> int | None:
   return next((v for v in VEC_SIZES if d % (WARPGROUP * v) == 0), None)
 
 
-def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_devices: int = 1):
+def shared_semaphores_supported() -> bool:
+  """Whether this jax can allocate a semaphore buffer outside a kernel (jax 0.12; 0.11.2 cannot,
+  and its kernels keep scratch semaphores)."""
+  return hasattr(plgpu, "alloc_semaphore")
+
+
+def new_semaphores(rows: int):
+  """A zeroed semaphore buffer for fused kernels of `rows` rows (a mutable jax Ref: kernels that
+  take it update it in place), or None where this jax lacks them. Call outside shard_map."""
+  if not shared_semaphores_supported():
+    return None
+  return plgpu.alloc_semaphore((2 * rows,))
+
+
+def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_devices: int = 1,
+          semaphores=None):
   """(new residual, normed), both [M, D] in residual.dtype; `partial` [R >= M, D] (rows past M
   are not read: a GEMM's tile padding needs no slice). `collective_axes`: the mesh axes the
   multimem load reduces over (inside shard_map; `num_devices` devices in all), or None for the
-  single-device body (`partial` already summed)."""
+  single-device body (`partial` already summed). `semaphores`: a buffer from `new_semaphores(M)`
+  shared with other fused kernels (zero between them), or None for the kernel's own."""
   m, d = residual.shape
   vec = vec_size(d)
   layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
   multimem = collective_axes is not None
 
-  def body(x_ref, r_ref, w_ref, h_ref, y_ref, *sems):
+  shared = multimem and semaphores is not None
+
+  def body(x_ref, r_ref, w_ref, *refs):
     row = lax.axis_index("rows")
+    if shared:
+      sem_ref, h_ref, y_ref = refs
+      ready, done = sem_ref.at[2 * row], sem_ref.at[2 * row + 1]
+    elif multimem:
+      h_ref, y_ref, ready, done = refs
+    else:
+      h_ref, y_ref = refs
     if multimem:
-      ready, done = sems
       plgpu.semaphore_signal_multicast(ready, collective_axes=collective_axes)
-      pl.semaphore_wait(ready, num_devices, decrement=False)
+      pl.semaphore_wait(ready, num_devices)
       s = plgpu.layout_cast(
           plgpu.multimem_load_reduce(x_ref.at[row], collective_axes=collective_axes,
                                      reduction_op="add"), layout)
@@ -68,9 +97,10 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
     y_ref[row] = (hf * inv).astype(y_ref.dtype) * w
     if multimem:
       plgpu.semaphore_signal_multicast(done, collective_axes=collective_axes)
-      pl.semaphore_wait(done, num_devices, decrement=False)
+      pl.semaphore_wait(done, num_devices)
 
   out = jax.ShapeDtypeStruct((m, d), residual.dtype)
-  sems = [plgpu.SemaphoreType.REGULAR] * 2 if multimem else []
+  sems = [plgpu.SemaphoreType.REGULAR] * 2 if multimem and not shared else []
+  args = (partial, residual, weight) + ((semaphores,) if shared else ())
   return plgpu.kernel(body, out_type=(out, out), grid=(m,), grid_names=("rows",),
-                      scratch_types=sems)(partial, residual, weight)
+                      scratch_types=sems)(*args)
