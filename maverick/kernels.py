@@ -179,9 +179,10 @@ def _on_shards(plan, local_fn, args, in_specs, out_spec, reduce_axes=(), fuse=No
       sems = site_semaphores(fuse.residual.shape)
       args = (*args, fuse.residual, fuse.weight, sems)
       in_specs = (*in_specs, out_spec, P(None), None if sems is None else P())
-      out_spec = (out_spec, out_spec)
-    return jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(in_specs), out_specs=out_spec,
-                         check_vma=False)(*args)
+      out_spec, fuse = _fused_out_specs(fuse, out_spec)
+    out = jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(in_specs), out_specs=out_spec,
+                        check_vma=False)(*args)
+    return out if fuse is None else _remember_site(out, fuse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,34 +191,113 @@ def _on_shards(plan, local_fn, args, in_specs, out_spec, reduce_axes=(), fuse=No
 @dataclasses.dataclass(frozen=True)
 class Fuse:
   """A fused site's epilogue: the residual stream [..., D] the all-reduced product is added to,
-  and the RMSNorm (weight [D], eps) applied to the sum. `kernels`: the layer's switch."""
+  and the RMSNorm (weight [D], eps) applied to the sum. `kernels`: the layer's switch.
+  `quantize_ub`: the next GEMM quantizes the normed rows per token for FP8 with this cap (a float,
+  or True for no cap): the site then quantizes them itself (`remember_quantized`); None: not."""
   residual: jax.Array
   weight: jax.Array
   eps: float
   kernels: str | None
+  quantize_ub: float | bool | None = None
 
 
-_SEMAPHORE_POOL: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
-    "maverick_semaphore_pool", default=None)
+def fp8_input_ub(quant) -> float | bool | None:
+  """Fuse.quantize_ub for a site whose next GEMMs run under `quant`: its cap (True: none) when
+  they quantize their input per token, else None."""
+  if quant is None or not quant.quantize_activations:
+    return None
+  return True if quant.activation_scale_ub is None else quant.activation_scale_ub
+
+
+# The FP8 rows a fused site writes are padded to the GEMM kernels' decode row tile (wgmma's M).
+QUANTIZED_ROW_TILE = 64
+
+
+def _site_quantize(fuse: Fuse, residual_shape):
+  """The (rows_out, ub) a fused site quantizes its normed rows with, or None."""
+  if fuse.quantize_ub is None:
+    return None
+  rows = math.prod(residual_shape[:-1])
+  ub = None if fuse.quantize_ub is True else fuse.quantize_ub
+  return rows + (-rows % QUANTIZED_ROW_TILE), ub
+
+
+def _fused_out_specs(fuse: Fuse, out_spec):
+  """shard_map out_specs of a fused site: (new residual, normed) like `out_spec`, then the FP8
+  rows and scales when it quantizes (whole rows on every device: only when `out_spec` does not
+  split the rows, else the site does not quantize)."""
+  if fuse.quantize_ub is None or out_spec[0] is not None:
+    return (out_spec, out_spec), dataclasses.replace(fuse, quantize_ub=None)
+  return (out_spec, out_spec, P(None, None), P(None)), fuse
+
+
+def _remember_site(out, fuse: Fuse):
+  """(new residual, normed) of a fused site's outputs, recording the normed rows' FP8 form."""
+  if len(out) == 2:
+    return out
+  h, y, q, scale = out
+  remember_quantized(y, q, scale, _site_quantize(fuse, y.shape)[1])
+  return h, y
+
+
+@dataclasses.dataclass
+class _ForwardScope:
+  """What the fused sites of one forward share (see `fused_forward`)."""
+  semaphores: dict = dataclasses.field(default_factory=dict)  # rows -> semaphore buffer
+  quantized: list = dataclasses.field(default_factory=list)  # (normed, e4m3 rows, scales, ub)
+
+
+_FORWARD: contextvars.ContextVar[_ForwardScope | None] = contextvars.ContextVar(
+    "maverick_fused_forward", default=None)
 
 
 @contextlib.contextmanager
-def shared_semaphores():
-  """Within it (one model forward), the fused all-reduce sites share one semaphore buffer per row
-  count (`allreduce_norm.new_semaphores`; each kernel leaves it zeroed) instead of a zeroed buffer
-  each, which XLA copies into collective memory before every kernel: one launch a site."""
-  token = _SEMAPHORE_POOL.set({})
+def fused_forward():
+  """One model forward (a decorator of its __call__). Within it the fused all-reduce sites
+  share one semaphore buffer per row count (`allreduce_norm.new_semaphores`; each kernel leaves
+  it zeroed) instead of a zeroed buffer each, which XLA copies into collective memory before
+  every kernel (a launch a site); and a site that also quantized its normed rows for the next
+  FP8 GEMM (`Fuse.quantize`) leaves them here for that GEMM (`quantized_rows`)."""
+  token = _FORWARD.set(_ForwardScope())
   try:
     yield
   finally:
-    _SEMAPHORE_POOL.reset(token)
+    _FORWARD.reset(token)
+
+
+def remember_quantized(normed, q, scale, ub) -> None:
+  """Records `normed`'s FP8 rows (e4m3 [rows_out, D], f32 scales [rows_out], quantized per row
+  with cap `ub`) for the GEMMs that take `normed` next in this forward (or this shard_map)."""
+  scope = _FORWARD.get()
+  if scope is not None:
+    scope.quantized.append((normed, q, scale, ub))
+
+
+def carry_quantized(normed, reshaped) -> None:
+  """`reshaped` (a free reshape of `normed`, same rows) has `normed`'s recorded FP8 rows."""
+  scope = _FORWARD.get()
+  for entry in () if scope is None else list(scope.quantized):
+    if entry[0] is normed:
+      scope.quantized.append((reshaped, *entry[1:]))
+
+
+def quantized_rows(x, ub=None, rows_out: int | None = None):
+  """(e4m3 rows, scales) recorded for this very array `x` (identity: the value a fused site
+  returned, passed on unchanged), quantized with cap `ub` (and padded to `rows_out` rows when
+  given), or None."""
+  scope = _FORWARD.get()
+  for normed, q, scale, cap in () if scope is None else scope.quantized:
+    if normed is x and cap == ub and (rows_out is None or q.shape[0] == rows_out):
+      return q, scale
+  return None
 
 
 def site_semaphores(residual_shape):
   """Outside shard_map, at a fused site: the forward's shared semaphore buffer for these rows,
-  or None (no `shared_semaphores` context, nothing compiled for a GPU here, interpret mode,
-  whose single-device body takes none, or a jax without them)."""
-  pool = _SEMAPHORE_POOL.get()
+  or None (no `fused_forward` scope, nothing compiled for a GPU here, interpret mode, whose
+  single-device body takes none, or a jax without them)."""
+  scope = _FORWARD.get()
+  pool = None if scope is None else scope.semaphores
   if (pool is None or common.interpreting() or common.runnable_arch() is None
       or not allreduce_norm.shared_semaphores_supported()):
     return None
@@ -247,10 +327,13 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
   can run (the reduce covers every mesh axis of size > 1, as multimem reduces over the whole
   mesh; one host; shapes it takes; and, in auto mode, its self-check on this mesh passed), else
   psum of the bf16 payload + norm in XLA. `semaphores`: the local view of `site_semaphores`'s
-  buffer (passed into shard_map replicated), or None."""
+  buffer (passed into shard_map replicated), or None. With `fuse.quantize_ub` set, also the
+  normed rows' FP8 form (e4m3 [rows padded to QUANTIZED_ROW_TILE, D], f32 scales): a 4-tuple."""
   reduce_axes = tuple(reduce_axes)
+  quantize = _site_quantize(fuse, residual.shape)
   if not reduce_axes:
-    return allreduce_norm.residual_norm(partial, residual, weight, fuse.eps, implementation="xla")
+    return allreduce_norm.residual_norm(partial, residual, weight, fuse.eps, implementation="xla",
+                                        quantize=quantize)
   whole = all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in reduce_axes)
   ok = (whole and _single_node(mesh)
         and allreduce_norm.pallas_support(residual.shape, residual.dtype, weight.dtype)[0])
@@ -260,7 +343,7 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
 
   def run(implementation, partials, residual, weight):  # partials: one [..., D] per device
     # Two sites in a row, as in a layer: on the kernel path they share one semaphore buffer
-    # (shared_semaphores), which the first must leave zeroed for the second.
+    # (fused_forward), which the first must leave zeroed for the second.
     sems = None
     if implementation == "pallas" and allreduce_norm.shared_semaphores_supported():
       sems = allreduce_norm.new_semaphores(math.prod(residual.shape[:-1]))
@@ -284,26 +367,28 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
     if semaphores is not None and semaphores.shape != (2 * math.prod(residual.shape[:-1]),):
       semaphores = None  # rows split over devices: not the buffer's (the kernel's own then)
     return allreduce_norm.allreduce_residual_norm(partial, residual, weight, eps, axes,
-                                                  implementation="pallas", semaphores=semaphores)
+                                                  implementation="pallas", semaphores=semaphores,
+                                                  quantize=quantize)
   return allreduce_norm.allreduce_residual_norm(partial, residual, weight, eps, reduce_axes,
-                                                implementation="xla")
+                                                implementation="xla", quantize=quantize)
 
 
 def sharded_embed_norm(tokens, table, scale, weight, eps: float, kernels: str | None, plan,
-                       table_axes, dtype):
+                       table_axes, dtype, quantize_ub=None):
   """The vocab-split embedding lookup as one more fused site: each device gathers its vocab
   slice's rows (zero for a token another device holds) and `fused_allreduce_norm` sums them with
   a zero residual (exact: one nonzero term per element), giving (rows [B, T, D] in `dtype`, their
   RMSNorm by `weight`): the first layer's input norm, or the draft's embedding norm. Without it
   GSPMD partitions the gather with an all-reduce of its own. `scale` [V]: an FP8 table's row
-  scales. None when the layout does not split the vocab alone (nothing to fuse)."""
+  scales. None when the layout does not split the vocab alone (nothing to fuse). `quantize_ub`:
+  see Fuse (the first layer's q/k/v take the normed rows in FP8)."""
   t_spec = plan.spec(table_axes)
   vocab = _mesh_axes(t_spec[0])
   if not vocab or _mesh_axes(t_spec[1]):
     return None
   rows = _rows(plan, tokens.shape[0], vocab)
   out_spec = P(rows, *([None] * tokens.ndim))
-  fuse = Fuse(None, None, eps, kernels)
+  fuse = Fuse(None, None, eps, kernels, quantize_ub)
 
   def body(tok, w, s, nw, sems):
     n = w.shape[0]
@@ -318,12 +403,13 @@ def sharded_embed_norm(tokens, table, scale, weight, eps: float, kernels: str | 
                                 semaphores=sems)
 
   sems = site_semaphores((*tokens.shape, 1))
+  out_specs, fuse = _fused_out_specs(fuse, out_spec)
   with selfcheck.on_mesh(plan.mesh):
-    return jax.shard_map(body, mesh=plan.mesh,
-                         in_specs=(P(rows), t_spec, P(t_spec[0]), P(None),
-                                   None if sems is None else P()),
-                         out_specs=(out_spec, out_spec), check_vma=False)(
-                             tokens, table, scale, weight, sems)
+    out = jax.shard_map(body, mesh=plan.mesh,
+                        in_specs=(P(rows), t_spec, P(t_spec[0]), P(None),
+                                  None if sems is None else P()),
+                        out_specs=out_specs, check_vma=False)(tokens, table, scale, weight, sems)
+  return _remember_site(out, fuse)
 
 
 def shard_specs(spec, x, plan, w_axes):

@@ -465,6 +465,7 @@ class MoE(nnx.Module):
     """`fuse`: see DecoderLayer (the sharded MoE's closing all-reduce)."""
     B, T, D = x_btd.shape
     x = x_btd.reshape(B * T, D)
+    kernels_lib.carry_quantized(x_btd, x)
     scales = (_value(self.gate_scale), _value(self.up_scale), _value(self.down_scale))
     input_scales = tuple(_value(getattr(self, f"{p}_input_scale")) for p in ("gate", "up", "down"))
     plan = sharding_plan.plan_of(self)  # set by sharding.shard_model
@@ -483,7 +484,9 @@ class MoE(nnx.Module):
                           fuse=None if fuse is None else dataclasses.replace(
                               fuse, residual=fuse.residual.reshape(B * T, D)))
       if fuse is not None:
-        return tuple(a.reshape(B, T, D) for a in y)
+        h, normed = (a.reshape(B, T, D) for a in y)
+        kernels_lib.carry_quantized(y[1], normed)
+        return h, normed
       return y.reshape(B, T, D)
     top_idx, scores, logits = moe.route(x, self.router[...], self.top_k,
                                         router_scale=_value(self.router_scale), quant=self.quant,
@@ -516,7 +519,7 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, positions, layer_cache=None, cache_lengths=None, *, attend_to_cache=True,
                positions_from_zero=False, attn_input=None, attention_fn=None, tree=None,
-               next_norm: RMSNorm | None = None, block_table=None):
+               next_norm: RMSNorm | None = None, block_table=None, next_quant=None):
     """Returns (x, layer_cache), or with `next_norm` (the next layer's input norm, or the final
     norm) (x, layer_cache, next_norm(x) or None). `attn_input`: the normed input when the caller
     has it (the previous layer's third output, or the EAGLE-3 draft's [embedding; hidden]).
@@ -524,19 +527,22 @@ class DecoderLayer(nnx.Module):
     On a sharded model's kernel path (`kernels_lib.fuses_residual_norm`) each row-parallel site
     ends in one fused all-reduce + residual add + RMSNorm: o -> x + a -> post_attn_norm, and FFN
     down (MoE: routed + shared) -> x + f -> `next_norm`; otherwise (and for a site without a norm
-    after it) the plain residual add and norm, the same math."""
+    after it) the plain residual add and norm, the same math. A fused site whose next GEMMs take
+    FP8 rows quantized per token (this layer's FFN; the next layer's q/k/v, under `next_quant`,
+    the next layer's quant config) quantizes the normed rows for them in the same kernel."""
     h = self.input_norm(x) if attn_input is None else attn_input
     fusing = kernels_lib.fuses_residual_norm(sharding_plan.plan_of(self.attn), self.attn.kernels)
-    fuse = lambda residual, norm: (
-        kernels_lib.Fuse(residual, norm.weight[...], norm.eps, self.attn.kernels)
+    fuse = lambda residual, norm, quant: (
+        kernels_lib.Fuse(residual, norm.weight[...], norm.eps, self.attn.kernels,
+                         kernels_lib.fp8_input_ub(quant))
         if fusing and norm is not None else None)
     a, layer_cache = self.attn(h, positions, layer_cache, cache_lengths,
                                attend_to_cache=attend_to_cache,
                                positions_from_zero=positions_from_zero, attention_fn=attention_fn,
-                               tree=tree, fuse=fuse(x, self.post_attn_norm),
+                               tree=tree, fuse=fuse(x, self.post_attn_norm, self.attn.quant),
                                block_table=block_table)
     x, h = _residual_norm(x, a, self.post_attn_norm)
-    x, h = _residual_norm(x, self.ffn(h, fuse=fuse(x, next_norm)), next_norm)
+    x, h = _residual_norm(x, self.ffn(h, fuse=fuse(x, next_norm, next_quant)), next_norm)
     return (x, layer_cache) if next_norm is None else (x, layer_cache, h)
 
 
@@ -609,7 +615,7 @@ class Llama4(nnx.Module):
       out = kernels_lib.sharded_embed_norm(
           tokens_bt, self.embed[...], _value(self.embed_scale), norm.weight[...], norm.eps,
           self.kernels, plan, self.embed.get_metadata()["logical_axes"],
-          jnp.dtype(self.config.dtype))
+          jnp.dtype(self.config.dtype), kernels_lib.fp8_input_ub(self.layers[0].attn.quant))
       if out is not None:
         return out
     return self.embed_tokens(tokens_bt), None
@@ -636,7 +642,7 @@ class Llama4(nnx.Module):
                               out_dtype=jnp.float32, kernels=self.kernels,
                               placement=_placement(self, self.lm_head))
 
-  @kernels_lib.shared_semaphores()  # the forward's fused all-reduce sites share one buffer
+  @kernels_lib.fused_forward()  # what the forward's fused all-reduce sites share
   def __call__(self, tokens_bt, positions_bt=None,
                cache: kvc.KVCache | kvc.PagedKVCache | None = None, *,
                capture_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
@@ -672,7 +678,8 @@ class Llama4(nnx.Module):
       x, layer_cache, h = layer(x, positions_bt, layer_cache, lengths,
                                 attend_to_cache=not prefill, positions_from_zero=from_zero,
                                 tree=tree, attn_input=h, next_norm=next_norm,
-                                block_table=None if cache is None else cache.table(i))
+                                block_table=None if cache is None else cache.table(i),
+                                next_quant=self.layers[i + 1].attn.quant if i + 1 < L else None)
       if layer_cache is not None:
         new_k.append(layer_cache[0])
         new_v.append(layer_cache[1])

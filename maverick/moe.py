@@ -267,8 +267,10 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
   P = PartitionSpec
 
   def local(x_own, router, gate, up, down, sg, su, sd, r_scale, e_scales, s_scales, statics,
-            fused_in):
+            fused_in, x_quantized):
     r_in, e_in, s_in = statics
+    if x_quantized is not None:
+      kernels_lib.remember_quantized(x_own, *x_quantized, quant.activation_scale_ub)
     x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
     top_idx, scores, _ = route(x, router, top_k, router_scale=r_scale, quant=quant,
                                router_input_scale=r_in)
@@ -310,6 +312,13 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
   statics = (router_input_scale, tuple(input_scales), tuple(shared_input_scales))
   static_specs = jax.tree.map(lambda _: P(), statics)
   sems = None if fuse is None else kernels_lib.site_semaphores(fuse.residual.shape)
+  out_specs = P(rows, None)
+  if fuse is not None:
+    out_specs, fuse = kernels_lib._fused_out_specs(fuse, out_specs)
+  # The normed rows' FP8 form from the fused site before (the shared expert's gate/up take it).
+  x_quantized = None
+  if rows is None and quant is not None:
+    x_quantized = kernels_lib.quantized_rows(x_nd, quant.activation_scale_ub)
   f = jax.shard_map(
       local, mesh=plan.mesh,
       in_specs=(P(rows, None), P(None, None),
@@ -320,8 +329,10 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
                 scale_specs(scales, (P(ex, tp), P(ex, tp), P(ex, None))),
                 scale_specs(shared_scales, (P(tp), P(tp), P(None))), static_specs,
                 None if fuse is None else (P(rows, None), P(None),
-                                           None if sems is None else P())),
-      out_specs=P(rows, None) if fuse is None else (P(rows, None),) * 2, check_vma=False)
+                                           None if sems is None else P()),
+                None if x_quantized is None else (P(None, None), P(None))),
+      out_specs=out_specs, check_vma=False)
   fused_in = None if fuse is None else (fuse.residual, fuse.weight, sems)
-  return f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared, router_scale, tuple(scales),
-           tuple(shared_scales), statics, fused_in)
+  out = f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared, router_scale, tuple(scales),
+          tuple(shared_scales), statics, fused_in, x_quantized)
+  return out if fuse is None else kernels_lib._remember_site(out, fuse)

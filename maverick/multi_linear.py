@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from maverick import kernels as k_lib
 from maverick.quant import ops as quant_ops
@@ -54,9 +55,20 @@ def _sharded(spec, x, ws, scales, quant, kernels, out_dtype, placements):
   w_specs = tuple(s[1] for s in specs)
   scale_specs = tuple(s[2] for s in specs)
   out_specs = tuple(s[3] for s in specs)
-  local = lambda x_, ws_, ss_: _local(spec, x_, ws_, ss_, quant, kernels, out_dtype)
-  out = k_lib._on_shards(plan, local, (x, tuple(ws), tuple(scales)),
-                         (x_spec, w_specs, scale_specs), out_specs)
+  # The normed rows' FP8 form from the fused site before, whole on every device (rows unsplit).
+  pre = None
+  if quant is not None and x_spec[0] is None:
+    pre = k_lib.quantized_rows(x, quant.activation_scale_ub)
+
+  def local(x_, ws_, ss_, pre_):
+    if pre_ is not None:
+      k_lib.remember_quantized(x_, *pre_, quant.activation_scale_ub)
+    return _local(spec, x_, ws_, ss_, quant, kernels, out_dtype)
+
+  out = k_lib._on_shards(plan, local, (x, tuple(ws), tuple(scales), pre),
+                         (x_spec, w_specs, scale_specs, None if pre is None else (P(None, None),
+                                                                                  P(None))),
+                         out_specs)
   return None if out is None else list(out)
 
 
@@ -77,13 +89,18 @@ def _local(spec, x, ws, scales, quant, kernels, out_dtype):
   w2s = tuple(w.reshape((k, n) if layout == "kn" else (n, k)) for w, n in zip(ws, ns))
   w_scales = tuple(None if s is None else s.reshape(n) for s, n in zip(scales, ns))
 
-  def run(implementation, x2, w2s, w_scales):
+  def run(implementation, x2, w2s, w_scales, pre=None):
+    """pre: x's FP8 rows already made by the fused site before (k_lib.quantized_rows)."""
     x_scale = None
     if quantize_x:
       tile = gemm_lib.row_tile(rows, ns[0], k, quant_ops.FP8, w2s[0].dtype, layout,
                                out_dtype=out_dtype)
-      x2, x_scale = k_lib._quantize_dynamic(x2, rows + (-rows % tile),
-                                            quant.activation_scale_ub, implementation)
+      rows_out = rows + (-rows % tile)
+      if pre is not None and pre[0].shape == (rows_out, k):
+        x2, x_scale = pre
+      else:
+        x2, x_scale = k_lib._quantize_dynamic(x2, rows_out, quant.activation_scale_ub,
+                                              implementation)
     outs = gemm_lib.gemm_many(x2, w2s, x_scale, None if w_scales[0] is None else w_scales,
                               w_layout=layout, out_dtype=out_dtype,
                               implementation=implementation)
@@ -105,5 +122,6 @@ def _local(spec, x, ws, scales, quant, kernels, out_dtype):
       f"out={jnp.dtype(out_dtype).name}", make_args, run_joined, k_lib.PROBE_TOL)
   if not k_lib.use_pallas(kernels, ok, probe):
     return None
-  outs = run("pallas", x2, w2s, w_scales)
+  pre = k_lib.quantized_rows(x, quant.activation_scale_ub) if quantize_x else None
+  outs = run("pallas", x2, w2s, w_scales, pre)
   return tuple(o.reshape(*batch, *s[1]) for o, s in zip(outs, shapes))

@@ -160,7 +160,7 @@ class Eagle3Draft(nnx.Module):
     """fc over the concatenated target features [B, T, 3*Dt] -> [B, T, D]."""
     return jnp.einsum("btx,xd->btd", features_btx.astype(self.fc.dtype), self.fc[...])
 
-  @kernels_lib.shared_semaphores()  # the forward's fused all-reduce sites share one buffer
+  @kernels_lib.fused_forward()  # what the forward's fused all-reduce sites share
   def __call__(self, tokens_bt, hidden_btd, embed_vd, positions_bt=None, cache=None, *,
                prefill: bool = False, logits_at=None, attention_fn=None,
                tree=None) -> DraftOutput:

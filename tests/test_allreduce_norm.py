@@ -64,6 +64,38 @@ def test_kernel_body_matches_numpy_in_interpret_mode():
     _close(y, y_ref)
 
 
+@pytest.mark.parametrize("ub", [None, 0.5], ids=["no_cap", "ub_caps"])
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_quantize_epilogue_matches_float64_quantization_of_the_normed_rows(implementation, ub):
+  """The FP8 epilogue (the next GEMM's input): the normed rows, as the kernel wrote them in bf16,
+  quantized per row in float64 NumPy (test_kernel_quantize_rows' quantizer), padded to the tile
+  with zero rows at the floor scale; a cap below the rows' max clips them at 448. The first and
+  last real rows and the first padding row are all checked: rows 0..2 of 3 plus 5 pad rows."""
+  from test_kernel_quantize_rows import _np_quantize
+  rng = np.random.default_rng(7)
+  s, r = _bf16(rng, 1, 3, 1024), _bf16(rng, 1, 3, 1024, scale=3.0)
+  w = jnp.asarray(rng.uniform(0.5, 2.0, 1024), BF16)
+  with pallas_kernels.interpret():
+    h, y, q, scale = api.residual_norm(s, r, w, EPS, implementation=implementation,
+                                       quantize=(8, ub))
+  _, y_ref = _numpy_residual_norm(s, r, w, EPS)
+  _close(y, y_ref)
+  assert q.shape == (8, 1024) and q.dtype == jnp.float8_e4m3fn and scale.shape == (8,)
+  # The quantizer may see the normed product before its bf16 rounding (XLA's excess precision
+  # in interpret mode, as in the XLA path's fusions): scales within one bf16 step (2^-8), values
+  # within one e4m3 step (2^-3 relative) plus that.
+  want_q, want_s = _np_quantize(np.asarray(y, np.float64).reshape(3, 1024), 8, ub)
+  np.testing.assert_allclose(np.asarray(scale), want_s, rtol=2.0 ** -8)
+  got = np.asarray(q.astype(jnp.float32), np.float64)
+  assert np.all(np.abs(got - want_q) <= np.abs(want_q) * (2.0 ** -3 + 2.0 ** -7) + 2.0 ** -6)
+  if ub is not None:  # the cap binds: rows clip at +-448
+    assert np.max(np.abs(got)) == 448
+  assert np.all(got[3:] == 0)  # pad rows (their floor scales checked with the others above)
+  np.testing.assert_allclose(np.asarray(scale[3:]), want_s[3:], rtol=1e-6)
+  with pytest.raises(pallas_kernels.KernelInputError, match=r"rows_out >= 3"):
+    api.residual_norm(s, r, w, EPS, implementation=implementation, quantize=(2, None))
+
+
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
 def test_row_padded_partial_reads_only_the_residual_rows(implementation):
   """A GEMM's tile-padded product [R >= rows, D] goes in unsliced: the rows past the residual's
@@ -260,7 +292,7 @@ def test_tp8_decode_step_has_one_fused_kernel_per_site_and_no_all_reduce(arch):
   assert '"stablehlo.all_reduce"(' not in hlo
   if allreduce_norm.shared_semaphores_supported():
     # Every fused site (2 a layer + the embedding lookup) takes the forward's one semaphore
-    # buffer (kernels.shared_semaphores), none a scratch buffer of its own.
+    # buffer (kernels.fused_forward), none a scratch buffer of its own.
     calls = _fused_calls(hlo)
     assert len(calls) == 2 * L + 1 and {c[1:] for c in calls} == {("{0:7,3:7}", 2)}, calls
 
@@ -292,6 +324,72 @@ def test_tp8_fused_path_matches_sharded_xla(reference_kernels):
   assert len(fused) == 2 * (2 * L + 1), len(fused)
   assert {impl for _, impl in fused} == {"pallas"}
   assert {s[0][-1] for s, _ in fused} == {D}
+
+
+def _fp8_fused_model():
+  from maverick import quant
+  return sharding.shard_model(quant.quantize_model(
+      model_lib.init_model(_fused_model().config, seed=0), quant.QuantConfig()),
+      sharding.make_mesh(tensor=8), "tp")
+
+
+@pytest.mark.slow
+def test_tp8_fp8_sites_quantize_the_next_gemms_input(reference_kernels, monkeypatch):
+  """FP8 weights with per-token activations, TP8, the fused path (entries run their references):
+  each fused site whose next GEMMs quantize their input (the embedding lookup and post-attention
+  sites, and each layer's last site but the final norm's, which feeds the bf16 LM head) also
+  quantizes its normed rows, and q/k/v, the dense gate/up and the shared expert's gate/up take
+  those rows instead of quantizing again (no quantization of a D-wide row is traced), with the
+  same logits:
+  the same FP8 rows either way (the site quantizes with quantize_rows' reference, bit-equal to
+  the consumers' quantization)."""
+  model = _fp8_fused_model()
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (B, 40)), jnp.int32)
+  quantized = []
+  original = kernels_lib._quantize_dynamic
+  monkeypatch.setattr(kernels_lib, "_quantize_dynamic",
+                      lambda x2, *a, **k: quantized.append(x2.shape) or original(x2, *a, **k))
+
+  def run(site_quantizes: bool):
+    jax.clear_caches()  # trace again: the count is of the traced calls
+    quantized.clear()
+    with monkeypatch.context() as m:
+      if not site_quantizes:
+        m.setattr(kernels_lib, "fp8_input_ub", lambda quant: None)
+      with pallas_kernels.interpret():
+        kernels_lib.set_kernels(model, "pallas")
+        out = _prefill_then_decode(model, tokens)
+    fused = [impl for name, _, _, impl in reference_kernels if name == "allreduce_residual_norm"]
+    reference_kernels.clear()
+    return out, list(quantized), fused
+
+  (prefill, step), n_site, fused = run(True)
+  (prefill0, step0), n_own, _ = run(False)
+  L = model.config.num_hidden_layers
+  assert len(fused) == 2 * (2 * L + 1) and set(fused) == {"pallas"}
+  D = model.config.hidden_size  # the normed rows' width: what only their consumers quantize
+  assert [q for q in n_site if q[-1] == D] == [] and [q for q in n_own if q[-1] == D], n_own
+  np.testing.assert_array_equal(prefill, prefill0)
+  np.testing.assert_array_equal(step, step0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_tp8_fp8_decode_step_quantizes_in_the_fused_sites(arch, monkeypatch):
+  """Lowered for the GPU (the kernel's FP8 epilogue through Mosaic at the TP8 shard): every
+  fused site but the final norm's returns (h, y, e4m3 rows, scales); the final one (h, y)."""
+  model = _fp8_fused_model()
+  L = model.config.num_hidden_layers
+  kernels_lib.set_kernels(model, None)
+
+  def fused_results():
+    fn, args = _decode_step(model)
+    hlo = pallas_kernels.lower_for_gpu(lambda *a: fn(*a), *args, arch=arch)
+    return sorted(results for _, _, results in _fused_calls(hlo))
+
+  assert fused_results() == [2] + [4] * (2 * L)
+  monkeypatch.setattr(kernels_lib, "fp8_input_ub", lambda quant: None)
+  assert fused_results() == [2] * (2 * L + 1)
 
 
 def _all_reduces(compiled_hlo: str) -> int:

@@ -19,6 +19,7 @@ from jax import lax
 from pallas_kernels import common
 from pallas_kernels.allreduce_norm import kernel, reference
 from pallas_kernels.common import check
+from pallas_kernels.quantize_rows import reference as quantize_reference
 
 PAYLOAD_DTYPE = reference.PAYLOAD_DTYPE
 # Decode and verify rows (B x (K + 1) tokens): one block per row. Prefill (thousands of rows)
@@ -54,10 +55,28 @@ def pallas_support(shape, residual_dtype, weight_dtype) -> tuple[bool, str]:
 
 def _flat(fn, x, residual, weight):
   """The kernel on [rows, D]; a row-padded partial goes in as it is (the kernel reads the first
-  `rows`: slicing it would be a launch of its own)."""
+  `rows`: slicing it would be a launch of its own). The quantized rows, if any, stay flat."""
   d = residual.shape[-1]
-  h, y = fn(x.reshape(-1, d).astype(PAYLOAD_DTYPE), residual.reshape(-1, d), weight)
-  return h.reshape(residual.shape), y.reshape(residual.shape)
+  h, y, *quantized = fn(x.reshape(-1, d).astype(PAYLOAD_DTYPE), residual.reshape(-1, d), weight)
+  return (h.reshape(residual.shape), y.reshape(residual.shape), *quantized)
+
+
+def _check_quantize(quantize, residual):
+  if quantize is None:
+    return
+  rows = math.prod(residual.shape[:-1])
+  check(len(quantize) == 2 and quantize[0] >= rows and (quantize[1] is None or quantize[1] > 0),
+        f"allreduce_residual_norm: quantize={quantize!r}; pass (rows_out >= {rows}, ub > 0 or "
+        f"None)")
+
+
+def _with_quantized(out, quantize):
+  """The reference's (h, y) and, with `quantize`, y's FP8 rows as the kernel writes them."""
+  if quantize is None:
+    return out
+  h, y = out
+  q, s = quantize_reference.quantize_rows(y.reshape(-1, y.shape[-1]), *quantize)
+  return h, y, q, s
 
 
 def _unpadded(x, residual):
@@ -67,16 +86,22 @@ def _unpadded(x, residual):
   return x[:math.prod(residual.shape[:-1])].reshape(residual.shape)
 
 
-def residual_norm(summed, residual, weight, eps: float, *, implementation: str | None = None):
+def residual_norm(summed, residual, weight, eps: float, *, implementation: str | None = None,
+                  quantize=None):
   """(residual + summed, RMSNorm of it times `weight`) on one device. `summed`: [..., D] like
-  the residual, or [R, D] with R >= its rows (a GEMM's tile-padded output; the rest ignored)."""
+  the residual, or [R, D] with R >= its rows (a GEMM's tile-padded output; the rest ignored).
+  `quantize` (rows_out, ub): also the normed rows quantized for an FP8 GEMM, as
+  `pallas_kernels.quantize_rows(normed rows, rows_out, ub)`: (..., e4m3 [rows_out, D], f32
+  scales [rows_out])."""
   _validate(summed, residual, weight)
+  _check_quantize(quantize, residual)
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
-    return reference.residual_norm(
+    return _with_quantized(reference.residual_norm(
         _unpadded(summed, residual).astype(reference.payload_dtype(residual.dtype)), residual,
-        weight, eps)
-  return _flat(lambda x, r, w: kernel.fused(x, r, w, eps), summed, residual, weight)
+        weight, eps), quantize)
+  return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, quantize=quantize), summed, residual,
+               weight)
 
 
 new_semaphores = kernel.new_semaphores
@@ -84,7 +109,7 @@ shared_semaphores_supported = kernel.shared_semaphores_supported
 
 
 def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
-                            implementation: str | None = None, semaphores=None):
+                            implementation: str | None = None, semaphores=None, quantize=None):
   """Inside shard_map: (residual + psum(partial) over `axis_name`, its RMSNorm times `weight`).
   `partial` [..., D]: this device's row-parallel partial sums (any float dtype; sent in the
   residual's dtype), or [R, D] with R >= the residual's rows (a GEMM's tile-padded output);
@@ -93,8 +118,10 @@ def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
   1 may be left out by the caller's plan: see maverick.kernels.allreduce_norm_axes).
   `semaphores`: the kernel's semaphore buffer shared with the forward's other fused sites
   (`new_semaphores(rows)`, passed into shard_map), or None for its own (one more launch: XLA
-  copies a zeroed buffer in)."""
+  copies a zeroed buffer in). `quantize`: as `residual_norm`'s.
+  """
   _validate(partial, residual, weight)
+  _check_quantize(quantize, residual)
   if semaphores is not None:
     rows = math.prod(residual.shape[:-1])
     check(semaphores.shape == (2 * rows,),
@@ -102,10 +129,10 @@ def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
           f"new_semaphores({rows}) ({2 * rows},)")
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
-    return reference.allreduce_residual_norm(_unpadded(partial, residual), residual, weight, eps,
-                                             axis_name)
+    return _with_quantized(reference.allreduce_residual_norm(
+        _unpadded(partial, residual), residual, weight, eps, axis_name), quantize)
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   n = math.prod(lax.axis_size(a) for a in axes)
   return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, collective_axes=axes, num_devices=n,
-                                            semaphores=semaphores),
+                                            semaphores=semaphores, quantize=quantize),
                partial, residual, weight)

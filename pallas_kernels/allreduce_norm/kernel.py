@@ -33,6 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.quantize_rows.reference import FP8, FP8_MAX, MIN_ROW_AMAX
+
 # multimem ld_reduce works on 32-bit words at least: 2 bf16 per vector minimum; 8 bf16 = 16 B.
 VEC_SIZES = (8, 4, 2)
 WARPGROUP = 128
@@ -58,13 +60,20 @@ def new_semaphores(rows: int):
 
 
 def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_devices: int = 1,
-          semaphores=None):
+          semaphores=None, quantize: tuple[int, float | None] | None = None):
   """(new residual, normed), both [M, D] in residual.dtype; `partial` [R >= M, D] (rows past M
   are not read: a GEMM's tile padding needs no slice). `collective_axes`: the mesh axes the
   multimem load reduces over (inside shard_map; `num_devices` devices in all), or None for the
   single-device body (`partial` already summed). `semaphores`: a buffer from `new_semaphores(M)`
-  shared with other fused kernels (zero between them), or None for the kernel's own."""
+  shared with other fused kernels (zero between them), or None for the kernel's own.
+  `quantize` (rows_out >= M, ub): also the normed rows in e4m3 [rows_out, D] with their f32
+  scales [rows_out], exactly as pallas_kernels.quantize_rows quantizes them (per row, max |y|
+  floored at 1/512 and capped at ub, to 448; rows M.. zero rows): the next GEMM's FP8 input
+  without a quantize launch of its own. The row is in registers already, so its max is one more
+  warpgroup reduction."""
   m, d = residual.shape
+  rows_out = m if quantize is None else quantize[0]
+  ub = None if quantize is None else quantize[1]
   vec = vec_size(d)
   layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
   multimem = collective_axes is not None
@@ -74,13 +83,29 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
   def body(x_ref, r_ref, w_ref, *refs):
     row = lax.axis_index("rows")
     if shared:
-      sem_ref, h_ref, y_ref = refs
-      ready, done = sem_ref.at[2 * row], sem_ref.at[2 * row + 1]
-    elif multimem:
-      h_ref, y_ref, ready, done = refs
-    else:
-      h_ref, y_ref = refs
+      sem_ref, *refs = refs
+    outs, sems = refs[:4 if quantize else 2], refs[4 if quantize else 2:]
+    h_ref, y_ref = outs[:2]
+    q_ref, s_ref = outs[2:] if quantize else (None, None)
+    if shared:
+      sems = (sem_ref.at[2 * row], sem_ref.at[2 * row + 1])
+    if quantize is None:
+      row_body(row, x_ref, r_ref, w_ref, h_ref, y_ref, None, None, *sems)
+      return
+
+    @pl.when(row < m)
+    def _():
+      row_body(row, x_ref, r_ref, w_ref, h_ref, y_ref, q_ref, s_ref, *sems)
+
+    @pl.when(row >= m)
+    def _():  # the GEMM's tile padding: what quantizing a zero row gives
+      zero = plgpu.layout_cast(jnp.zeros((d,), jnp.float32), layout)
+      q_ref[row] = zero.astype(q_ref.dtype)
+      s_ref[row] = _row_scale(jnp.float32(0.0), ub)
+
+  def row_body(row, x_ref, r_ref, w_ref, h_ref, y_ref, q_ref, s_ref, *sems):
     if multimem:
+      ready, done = sems
       plgpu.semaphore_signal_multicast(ready, collective_axes=collective_axes)
       pl.semaphore_wait(ready, num_devices)
       s = plgpu.layout_cast(
@@ -94,13 +119,31 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
     inv = lax.rsqrt(jnp.sum(hf * hf) * (1.0 / d) + eps)
     w = plgpu.layout_cast(w_ref[...], layout)
     h_ref[row] = h
-    y_ref[row] = (hf * inv).astype(y_ref.dtype) * w
+    y = (hf * inv).astype(y_ref.dtype) * w
+    y_ref[row] = y
+    if q_ref is not None:
+      yf = y.astype(jnp.float32)
+      scale = _row_scale(jnp.max(jnp.abs(yf)), ub)
+      q_ref[row] = jnp.clip(yf / scale, -FP8_MAX, FP8_MAX).astype(q_ref.dtype)
+      s_ref[row] = scale
     if multimem:
       plgpu.semaphore_signal_multicast(done, collective_axes=collective_axes)
       pl.semaphore_wait(done, num_devices)
 
   out = jax.ShapeDtypeStruct((m, d), residual.dtype)
+  out_types = (out, out)
+  if quantize is not None:
+    out_types += (jax.ShapeDtypeStruct((rows_out, d), FP8),
+                  jax.ShapeDtypeStruct((rows_out,), jnp.float32))
   sems = [plgpu.SemaphoreType.REGULAR] * 2 if multimem and not shared else []
   args = (partial, residual, weight) + ((semaphores,) if shared else ())
-  return plgpu.kernel(body, out_type=(out, out), grid=(m,), grid_names=("rows",),
+  return plgpu.kernel(body, out_type=out_types, grid=(rows_out,), grid_names=("rows",),
                       scratch_types=sems)(*args)
+
+
+def _row_scale(amax, ub):
+  """quantize_rows' scale of a row whose max |y| is `amax`."""
+  amax = jnp.maximum(amax, MIN_ROW_AMAX)
+  if ub is not None:
+    amax = jnp.minimum(amax, ub)
+  return amax / FP8_MAX
