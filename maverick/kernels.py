@@ -341,17 +341,21 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
   n = mesh.size
   eps = fuse.eps
 
-  def run(implementation, partials, residual, weight):  # partials: one [..., D] per device
-    # Two sites in a row, as in a layer: on the kernel path they share one semaphore buffer
-    # (fused_forward), which the first must leave zeroed for the second.
+  def run(implementation, partials, residual, weight, dequantized=False):
+    """partials: one [..., D] per device. Two sites in a row, as in a layer: on the kernel path
+    they share one semaphore buffer (fused_forward), which the first must leave zeroed for the
+    second. `dequantized`: the second site's FP8 rows times their scales instead of (h, y)."""
     sems = None
     if implementation == "pallas" and allreduce_norm.shared_semaphores_supported():
       sems = allreduce_norm.new_semaphores(math.prod(residual.shape[:-1]))
 
     def body(p, r, w, s):
-      site = lambda r: allreduce_norm.allreduce_residual_norm(
-          p[0], r, w, eps, axes, implementation=implementation, semaphores=s)
-      return jnp.stack(site(site(r)[0]))
+      site = lambda r, quantize=None: allreduce_norm.allreduce_residual_norm(
+          p[0], r, w, eps, axes, implementation=implementation, semaphores=s, quantize=quantize)
+      if not dequantized:
+        return jnp.stack(site(site(r)[0]))
+      _, _, q, scale = site(site(r)[0], quantize)
+      return q.astype(jnp.float32) * scale[:, None]
     return jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P(), P()), out_specs=P(),
                          check_vma=False)(partials, residual, weight, sems)
 
@@ -363,7 +367,15 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
   probe = selfcheck.Probe(
       "allreduce_norm", f"partial {_sig(partial)} over {n} devices + residual {_sig(residual)}",
       f"{_sig(partial, residual, weight)} eps={eps} axes={axes}", make_args, run, PROBE_TOL)
-  if use_pallas(fuse.kernels, ok, probe):
+  # The FP8 epilogue has a probe of its own: one e4m3 step (2^-3 of a value) may flip where the
+  # two paths round the normed row differently, so its bound is that plus margin (a wrong scale
+  # or row is off by far more).
+  fp8_probe = None if quantize is None else selfcheck.Probe(
+      "allreduce_norm FP8 epilogue", f"{_sig(residual)} rows to e4m3 [{quantize[0]}, D]",
+      f"{_sig(partial, residual, weight)} eps={eps} axes={axes} quantize={quantize}", make_args,
+      lambda implementation, *args: run(implementation, *args, dequantized=True), 0.15)
+  if use_pallas(fuse.kernels, ok, probe) and (
+      fp8_probe is None or fuse.kernels == "pallas" or selfcheck.passed(fp8_probe)):
     if semaphores is not None and semaphores.shape != (2 * math.prod(residual.shape[:-1]),):
       semaphores = None  # rows split over devices: not the buffer's (the kernel's own then)
     return allreduce_norm.allreduce_residual_norm(partial, residual, weight, eps, axes,

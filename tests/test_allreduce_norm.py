@@ -186,6 +186,45 @@ def test_self_check_probes_on_the_mesh(monkeypatch, tmp_path):
   selfcheck.clear_memory()
 
 
+def test_fp8_epilogue_has_its_own_self_check(monkeypatch, tmp_path):
+  """A site that quantizes for the next GEMM runs the kernel only when both probes pass: the
+  site's (h, y) and its FP8 rows (dequantized, within one e4m3 step). The entry swapped for its
+  reference passes both (2 probes); a reference whose FP8 scales are off by 2x on the kernel
+  side fails the second: one KernelFallbackWarning naming the epilogue, the site runs XLA."""
+  original, calls = allreduce_norm.allreduce_residual_norm, []
+  rng = np.random.default_rng(3)
+  mesh = sharding.make_mesh(tensor=8)
+  p = _bf16(rng, 8, 2, 256)
+  r, w = _bf16(rng, 2, 256), jnp.asarray(rng.uniform(0.5, 2.0, 256), BF16)
+
+  def site():
+    body = lambda p, r, w: kernels_lib.fused_allreduce_norm(
+        p[0], r, w, kernels_lib.Fuse(r, w, EPS, None, True), ("tensor",), mesh)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("tensor"), P(), P()),
+                         out_specs=(P(), P(), P(), P()), check_vma=False)(p, r, w)
+
+  def reference(*args, bad_scale=False, **kw):
+    calls.append(kw["implementation"])
+    out = original(*args, **dict(kw, implementation="xla"))
+    if bad_scale and kw["implementation"] == "pallas" and len(out) == 4:
+      out = (*out[:3], out[3] * 2)
+    return out
+
+  for bad, probes, impl in ((False, 2, "pallas"), (True, 2, "xla")):
+    monkeypatch.setattr(allreduce_norm, "allreduce_residual_norm",
+                        lambda *a, _bad=bad, **k: reference(*a, bad_scale=_bad, **k))
+    monkeypatch.setenv("MAVERICK_CACHE_DIR", str(tmp_path / str(bad)))
+    selfcheck.clear_memory()
+    with pallas_kernels.interpret(), selfcheck.force(), warnings.catch_warnings(record=True) as ws:
+      warnings.simplefilter("always")
+      h, y, q, scale = site()
+    fallbacks = [w for w in ws if issubclass(w.category, selfcheck.KernelFallbackWarning)]
+    assert selfcheck.probes_run == probes and calls[-1] == impl, (calls, selfcheck.probes_run)
+    assert len(fallbacks) == bad and (not bad or "FP8 epilogue" in str(fallbacks[0].message))
+    assert q.shape == (64, 256) and scale.shape == (64,)
+  selfcheck.clear_memory()
+
+
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_kernel_lowers_inside_shard_map_at_tp8_shard_shape(arch):
   """Maverick TP8 decode / verify rows (B x (K + 1) = 4 x 4) of D = 5120, f32 partials: one
