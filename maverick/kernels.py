@@ -209,17 +209,18 @@ def fp8_input_ub(quant) -> float | bool | None:
   return True if quant.activation_scale_ub is None else quant.activation_scale_ub
 
 
-# The FP8 rows a fused site writes are padded to the GEMM kernels' decode row tile (wgmma's M).
-QUANTIZED_ROW_TILE = 64
-
-
 def _site_quantize(fuse: Fuse, residual_shape):
-  """The (rows_out, ub) a fused site quantizes its normed rows with, or None."""
+  """The (rows_out, ub) a fused site quantizes its normed rows with, or None: rows padded to the
+  FP8 GEMM's row tile for [rows, D] x [D, D] (its CTA's M: 64 on Hopper, 128 on Blackwell; the
+  consumers check theirs and quantize again where it differs)."""
   if fuse.quantize_ub is None:
     return None
-  rows = math.prod(residual_shape[:-1])
+  rows, d = math.prod(residual_shape[:-1]), residual_shape[-1]
+  tile = 64
+  if common.runnable_arch() is not None:
+    tile = max(gemm_lib.row_tile(rows, d, d, quant_ops.FP8, quant_ops.FP8), 1)
   ub = None if fuse.quantize_ub is True else fuse.quantize_ub
-  return rows + (-rows % QUANTIZED_ROW_TILE), ub
+  return rows + (-rows % tile), ub
 
 
 def _fused_out_specs(fuse: Fuse, out_spec):
@@ -328,7 +329,7 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
   mesh; one host; shapes it takes; and, in auto mode, its self-check on this mesh passed), else
   psum of the bf16 payload + norm in XLA. `semaphores`: the local view of `site_semaphores`'s
   buffer (passed into shard_map replicated), or None. With `fuse.quantize_ub` set, also the
-  normed rows' FP8 form (e4m3 [rows padded to QUANTIZED_ROW_TILE, D], f32 scales): a 4-tuple."""
+  normed rows' FP8 form (e4m3 [rows padded to the GEMM's row tile, D], f32 scales): a 4-tuple."""
   reduce_axes = tuple(reduce_axes)
   quantize = _site_quantize(fuse, residual.shape)
   if not reduce_axes:
