@@ -126,6 +126,24 @@ def interpreting() -> bool:
                     plgpu.InterpretGPUParams)
 
 
+def pdl_supported() -> bool:
+  """Whether kernels lowered here take part in programmatic dependent launch: jax 0.12 has the
+  griddepcontrol primitives (0.11.2 does not); GPU interpret mode cannot run them."""
+  return hasattr(plgpu, "griddepcontrol_wait") and not interpreting()
+
+
+def pdl_prologue() -> None:
+  """A decode-path kernel's first statement (PDL, programmatic dependent launch): wait until the
+  kernel before it has finished and its writes are visible (a no-op when this one was not
+  launched as a dependent), then let the kernel after it launch now, so its launch and prologue
+  overlap this kernel instead of following it (it waits in its own prologue). Nothing is read
+  before the wait, so the order of the memory traffic is what it was without PDL. With it the
+  module is marked `mosaic_gpu.uses_pdl` and launched as a dependent."""
+  if pdl_supported():
+    plgpu.griddepcontrol_wait()
+    plgpu.griddepcontrol_launch_dependents()
+
+
 def target_arch() -> str:
   """The architecture whose kernel runs: the GPU's, or the one `interpret(arch=...)` emulates."""
   forced = _forced_arch.get()

@@ -22,6 +22,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels
 from pallas_kernels import common
@@ -286,6 +287,20 @@ def test_fp8_decode_lowers_with_every_kernel():
   # head's do not); head_dim 64 keeps the XLA split combine (the combine kernel takes 128).
   quantized = (gemms - 1) + grouped
   assert _mosaic_calls(model, (2, 1), decode=True) == gemms + grouped + 4 + quantized
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(plgpu, "griddepcontrol_wait"),
+                    reason="this jax (0.11.2) has no griddepcontrol: its kernels launch without PDL")
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_every_decode_kernel_takes_part_in_pdl(arch):
+  """Programmatic dependent launch: every Mosaic kernel of the FP8 decode step (GEMMs, grouped
+  GEMMs, the quantize kernel, attention, the combine) waits on its predecessor in its prologue
+  and lets its successor launch, which marks its module `mosaic_gpu.uses_pdl` (launched as a
+  dependent). Mutant: a kernel body without `common.pdl_prologue()`."""
+  lines = common.mosaic_call_lines(lowered_step(_fp8_aligned_model(2), (2, 1), True, arch))
+  assert lines and all("mosaic_gpu.uses_pdl" in line for line in lines), [
+      line[:80] for line in lines if "mosaic_gpu.uses_pdl" not in line]
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
 from pallas_kernels.quantize_rows.reference import FP8, FP8_MAX, MIN_ROW_AMAX
 
 # multimem ld_reduce works on 32-bit words at least: 2 bf16 per vector minimum; 8 bf16 = 16 B.
@@ -81,6 +82,7 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
   shared = multimem and semaphores is not None
 
   def body(x_ref, r_ref, w_ref, *refs):
+    common.pdl_prologue()
     row = lax.axis_index("rows")
     if shared:
       sem_ref, *refs = refs

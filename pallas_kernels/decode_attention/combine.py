@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
+
 WARPGROUP = 128
 _FLOOR = -1e30  # the running max starts finite: exp2(-inf - floor) is 0, never NaN
 
@@ -34,6 +36,7 @@ def combine_rows(out, lse, *, batch: int, steps: int, groups: int, out_dtype):
   layout = plgpu.Layout.WG_STRIDED((dh,), vec_size=dh // WARPGROUP)
 
   def body(o_ref, lse_ref, y_ref):
+    common.pdl_prologue()
     bk, m = lax.axis_index("bk"), lax.axis_index("m")
 
     def split(p, carry):

@@ -39,6 +39,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import common
 from pallas_kernels.decode_attention import stream
 from pallas_kernels.decode_attention.sm90 import LOG2E, NUM_BOUNDS, _fp8_to_bf16, _transforms
 
@@ -110,6 +111,7 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
   shape = (BLOCK_M, block_kv)
 
   def body(*refs):
+    common.pdl_prologue()
     if fp8:
       q_g, k_g, v_g, ks_g, vs_g, pos_g, cs_g, *rest = refs
     else:

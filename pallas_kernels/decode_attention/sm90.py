@@ -33,6 +33,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import common
 from pallas_kernels.decode_attention import stream
 
 BLOCK_M = 64  # one warpgroup's wgmma M
@@ -101,6 +102,7 @@ def split_attention(q_packed, k_cache, v_cache, k_scale, v_scale, q_pos, chunk_s
   shape = (BLOCK_M, block_kv)
 
   def body(*refs):
+    common.pdl_prologue()
     if fp8:
       q_g, k_g, v_g, ks_g, vs_g, pos_g, cs_g, *rest = refs
     else:

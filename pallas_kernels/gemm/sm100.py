@@ -43,6 +43,7 @@ def _body(x_gmem, *refs, x_smem, w_smem, acc_tmem, out_smem, row_scale_smem, col
           loaded, consumed, mma_done, store_done, scales_loaded, cfg: Config, out_dtype,
           epi_n: int, num_w: int):
   """refs: w_0..w_{r-1}, xs, ws_0..ws_{r-1}, out_0..out_{r-1} (r = num_w); then the scratch."""
+  common.pdl_prologue()
   w_refs, xs_gmem = refs[:num_w], refs[num_w]
   w_scales, outs = refs[num_w + 1:2 * num_w + 1], refs[2 * num_w + 1:]
   m_pad, k = x_gmem.shape

@@ -63,6 +63,7 @@ def _n_of(w, cfg: Config) -> int:
 
 def _body(x_gmem, *refs, cfg: Config, out_dtype, num_w: int):
   """refs: w_0..w_{r-1}, xs, ws_0..ws_{r-1}, out_0..out_{r-1} (r = num_w)."""
+  common.pdl_prologue()
   w_refs, xs_gmem = refs[:num_w], refs[num_w]
   w_scales, outs = refs[num_w + 1:2 * num_w + 1], refs[2 * num_w + 1:]
   m_pad, k = x_gmem.shape

@@ -114,6 +114,7 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
   delay = 1 if k_steps > 1 else 0
 
   def body(sched_gmem, x_gmem, *rest):
+    common.pdl_prologue()
     w_gmems, rest = rest[:num_w], rest[num_w:]
     if scaled:
       xs_gmem, ws_gmems, o_gmem = rest[0], rest[1:1 + num_w], rest[-1]

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
 from pallas_kernels.quantize_rows import reference
 
 WARPGROUP = 128
@@ -33,6 +34,7 @@ def quantize(x, rows_out: int, ub: float | None):
   layout = plgpu.Layout.WG_STRIDED((k,), vec_size=vec_size(k))
 
   def body(x_ref, q_ref, s_ref):
+    common.pdl_prologue()
     row = lax.axis_index("rows")
     xf = plgpu.layout_cast(x_ref[jnp.minimum(row, m - 1)], layout).astype(jnp.float32)
     xf = xf * (row < m).astype(jnp.float32)  # a scalar factor: where() cannot broadcast here
