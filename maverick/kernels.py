@@ -634,8 +634,9 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   by_row = N * k <= min(ROW_PATH_MAX_ROWS, E + 1)
 
   def run(implementation, x_rows, groups, gate, up, down, s_gate, s_up, s_down, si_gate,
-          si_down):
-    """groups: per-row expert ids (by_row) or group sizes of rows sorted by expert."""
+          si_down, pre=None):
+    """groups: per-row expert ids (by_row) or group sizes of rows sorted by expert. `pre`: the
+    gate/up input already quantized (e4m3 rows, scales) with the kernel's row tile."""
     where = dict(row_groups=groups) if by_row else dict(group_sizes=groups)
     rows = rows_out = x_rows.shape[0]
     if by_row:
@@ -644,7 +645,10 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
       tile = grouped_gemm.row_tile(rows, gate, x_dtype=in_dtype, w_scale=s_gate,
                                    w_layout=layout, out_dtype=x_nd.dtype, swiglu=True)
       rows_out = rows + (-rows % tile)
-    xq, x_scale = rows_in(x_rows, si_gate, rows_out, implementation)
+    if pre is not None and pre[0].shape[0] == rows_out:
+      xq, x_scale = pre
+    else:
+      xq, x_scale = rows_in(x_rows, si_gate, rows_out, implementation)
     h = grouped_gemm.grouped_swiglu(xq, gate, up, **where, x_scale=x_scale,
                                     gate_scale=s_gate, up_scale=s_up, w_layout=layout,
                                     out_dtype=x_nd.dtype, implementation=implementation)
@@ -676,9 +680,10 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   if by_row:
     # The score scales the INPUT, as below; top-k > 1 repeats each row once per pick.
     x_rows = x_nd if k == 1 else jnp.repeat(x_nd, k, axis=0)
+    pre = _score_scaled_rows(x_nd, scores, quant) if fp8 and not static and k == 1 else None
     x_rows = x_rows * scores.reshape(-1)[:, None]
     y = run("pallas", x_rows, top_idx.reshape(-1).astype(jnp.int32), gate_edf, up_edf, down_efd,
-            s_gate, s_up, s_down, si_gate, si_down)
+            s_gate, s_up, s_down, si_gate, si_down, pre)
     if k == 1:
       return y
     return y.astype(jnp.float32).reshape(N, k, D).sum(1).astype(x_nd.dtype)
@@ -690,6 +695,23 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   y = run("pallas", x_sorted, group_sizes, gate_edf, up_edf, down_efd, s_gate, s_up, s_down,
           si_gate, si_down)
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
+
+
+def _score_scaled_rows(x_nd, scores, quant):
+  """The routed experts' FP8 input from the rows the fused site before already quantized (the
+  shared expert's input, `quantized_rows`): per-token quantization commutes with the router's
+  positive per-row score, q(x * s) = q(x) with scale * s, so only the scales change (a multiply
+  XLA fuses into the score's own sigmoid, instead of the score multiply and a quantize launch).
+  Exact but for x * s's bf16 rounding on the XLA path; only without an activation cap (a cap
+  would clip x where it clips x * s elsewhere). None where the rows are not there."""
+  if quant.activation_scale_ub is not None:
+    return None
+  pre = quantized_rows(x_nd, None)
+  if pre is None:
+    return None
+  q, scale = pre
+  s = scores.reshape(-1).astype(jnp.float32)
+  return q, scale * jnp.pad(s, (0, scale.shape[0] - s.shape[0]), constant_values=1.0)
 
 
 def _head_specs(plan, batch: int):

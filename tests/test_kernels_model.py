@@ -25,7 +25,7 @@ from flax import nnx
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels
-from pallas_kernels import common
+from pallas_kernels import common, grouped_gemm
 from maverick import config as config_lib
 from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
@@ -198,6 +198,14 @@ def test_projections_of_one_input_in_one_launch_match_each_einsum(fp8):
                                     input_scales=(jnp.float32(0.1),) * 3) is None
 
 
+def _fp8_expert_weights(rng, E, D, F):
+  """Random FP8 experts: ((e4m3, scale) per gate / up / down as quantized, K-major weights,
+  their scales)."""
+  qs = [quant.quantize_weight(rng.standard_normal(sh).astype(np.float32) * 0.1, (1,))
+        for sh in ((E, D, F), (E, D, F), (E, F, D))]
+  return qs, [quant.to_kmajor(q, (1,)) for q, _ in qs], tuple(s for _, s in qs)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n_tokens", [80, 3], ids=["grouped", "gathered"])
 def test_fp8_experts_match_xla(n_tokens):
@@ -207,14 +215,53 @@ def test_fp8_experts_match_xla(n_tokens):
   qc = quant.QuantConfig()
   E, D, F, top_k = 8, 128, 128, 2
   x = jnp.asarray(rng.standard_normal((n_tokens, D)), jnp.bfloat16)
-  qs = [quant.quantize_weight(rng.standard_normal(sh).astype(np.float32) * 0.1, (1,))
-        for sh in ((E, D, F), (E, D, F), (E, F, D))]
-  ws, scales = [quant.to_kmajor(q, (1,)) for q, _ in qs], tuple(s for _, s in qs)
+  _, ws, scales = _fp8_expert_weights(rng, E, D, F)
   top = jnp.asarray(np.stack([rng.permutation(E)[:top_k] for _ in range(n_tokens)]), jnp.int32)
   scores = jnp.asarray(rng.uniform(0.2, 1.0, (n_tokens, top_k)), jnp.bfloat16)
   out, ref = _pallas_and_xla(lambda k: moe.moe_experts(x, top, scores, *ws, scales=scales,
                                                         quant=qc, kernels=k))
   assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.slow
+def test_routed_experts_reuse_the_sites_fp8_rows_with_score_scaled_scales(monkeypatch):
+  """Decode rows (by-row schedule), top-1, per-token FP8: when the fused site before quantized
+  the rows (recorded in the forward's scope), the routed experts take them with their scales
+  times the router score (q(x * s) = q(x) with scale * s) instead of quantizing x * s: one
+  quantization fewer (only the down input's left), and the output matches the XLA path within
+  the FP8 tolerance (the rows differ from x * s's only by its bf16 rounding). Mutant: the scales
+  without the score (off by the score's factor, 0.2-1.0)."""
+  from maverick import moe
+  rng = np.random.default_rng(5)
+  qc = quant.QuantConfig()
+  E, D, F, n = 8, 128, 128, 3
+  x = jnp.asarray(rng.standard_normal((n, D)), jnp.bfloat16)
+  qs, ws, scales = _fp8_expert_weights(rng, E, D, F)
+  top = jnp.asarray(rng.permutation(E)[:n, None], jnp.int32)
+  scores = jnp.asarray(rng.uniform(0.2, 1.0, (n, 1)), jnp.bfloat16)
+  ref = moe.moe_experts(x, top, scores, *ws, scales=scales, quant=qc, kernels="xla")
+  calls = []
+  original = kernels_lib._quantize_dynamic
+  monkeypatch.setattr(kernels_lib, "_quantize_dynamic",
+                      lambda x2, *a, **k: calls.append(x2.shape) or original(x2, *a, **k))
+  from pallas_kernels import quantize_rows as qr
+  with pallas_kernels.interpret(), kernels_lib.fused_forward():
+    tile = grouped_gemm.row_tile(n, ws[0], x_dtype=quant.FP8, w_scale=scales[0],
+                                 out_dtype=jnp.bfloat16, swiglu=True)
+    kernels_lib.remember_quantized(x, *qr.quantize_rows(x, tile, implementation="xla"), None)
+    out = moe.moe_experts(x, top, scores, *ws, scales=scales, quant=qc, kernels="pallas")
+  assert calls == [(tile, F)], calls  # the down projection's input only
+  # Against the experts in float64 on the dequantized weights (no activation quantization):
+  # the reused rows are as close as the XLA path's own (both ~1e-2: FP8 activations).
+  deq = [np.asarray(q.astype(jnp.float32), np.float64) * np.asarray(sc, np.float64)[:, None, :]
+         for (q, sc) in qs]
+  z = np.asarray(x, np.float64) * np.asarray(scores, np.float64)
+  e = np.asarray(top[:, 0])
+  g = np.einsum("nd,ndf->nf", z, deq[0][e])
+  u = np.einsum("nd,ndf->nf", z, deq[1][e])
+  exact = np.einsum("nf,nfd->nd", g / (1 + np.exp(-g)) * u, deq[2][e])
+  err = lambda a: np.linalg.norm(np.asarray(a, np.float64) - exact) / np.linalg.norm(exact)
+  assert err(out) < 1.5 * err(ref) + 1e-3, (err(out), err(ref))
 
 
 @pytest.mark.slow
