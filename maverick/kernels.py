@@ -369,12 +369,12 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
       "allreduce_norm", f"partial {_sig(partial)} over {n} devices + residual {_sig(residual)}",
       f"{_sig(partial, residual, weight)} eps={eps} axes={axes}", make_args, run, PROBE_TOL)
   # The FP8 epilogue has a probe of its own: one e4m3 step (2^-3 of a value) may flip where the
-  # two paths round the normed row differently, so its bound is that plus margin (a wrong scale
-  # or row is off by far more).
+  # two paths round the normed row differently (and the scales differ by a bf16 step), so its
+  # bound is twice that step (a wrong scale or row is off by 50 % or more).
   fp8_probe = None if quantize is None else selfcheck.Probe(
       "allreduce_norm FP8 epilogue", f"{_sig(residual)} rows to e4m3 [{quantize[0]}, D]",
       f"{_sig(partial, residual, weight)} eps={eps} axes={axes} quantize={quantize}", make_args,
-      lambda implementation, *args: run(implementation, *args, dequantized=True), 0.15)
+      lambda implementation, *args: run(implementation, *args, dequantized=True), 0.25)
   if use_pallas(fuse.kernels, ok, probe) and (
       fp8_probe is None or fuse.kernels == "pallas" or selfcheck.passed(fp8_probe)):
     if semaphores is not None and semaphores.shape != (2 * math.prod(residual.shape[:-1]),):
