@@ -258,7 +258,7 @@ def fused_forward():
   share one semaphore buffer per row count (`allreduce_norm.new_semaphores`; each kernel leaves
   it zeroed) instead of a zeroed buffer each, which XLA copies into collective memory before
   every kernel (a launch a site); and a site that also quantized its normed rows for the next
-  FP8 GEMM (`Fuse.quantize`) leaves them here for that GEMM (`quantized_rows`)."""
+  FP8 GEMM (`Fuse.quantize_ub`) leaves them here for that GEMM (`quantized_rows`)."""
   token = _FORWARD.set(_ForwardScope())
   try:
     yield
