@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from maverick import fused_mlp
 from maverick import kernels as kernels_lib
 from maverick.quant import contraction
 from maverick.quant import ops as quant_lib
@@ -230,6 +231,10 @@ def swiglu(x: jax.Array, gate_df: jax.Array, up_df: jax.Array, down_fd: jax.Arra
   input_scales: their static activation scales (quant activations "static_per_tensor");
   fuse: the down projection's all-reduce fused with the residual add and norm
   (`maverick.kernels.Fuse`; contraction.einsum then may return (new residual, normed))."""
+  fused = fused_mlp.swiglu(x, gate_df, up_df, down_fd, scales, quant, kernels, placements,
+                           input_scales, fuse)
+  if fused is not None:
+    return fused
   mm = functools.partial(contraction.einsum, kernels=kernels)
   g, u = contraction.einsum_many("...d,df->...f", x, (gate_df, up_df), scales[:2], quant,
                                  kernels=kernels, placements=placements[:2],

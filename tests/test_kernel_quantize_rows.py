@@ -9,6 +9,7 @@ rounding boundary, so codes are compared by agreement (>= 99 %) and the dequanti
 one e4m3 step (2**-3 relative to the value, 2**-9 * 448 s near zero)."""
 
 import jax
+import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -98,3 +99,90 @@ def test_support_and_bad_input():
     qr.quantize_rows(jnp.ones((2, 2, 256)))
   with pytest.raises(KernelInputError, match="ub=0"):
     qr.quantize_rows(x, 4, 0)
+
+
+def _bf16_round(a):
+  return np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _np_swiglu(gate, up, x_scale, gate_scale, up_scale, m):
+  """float64 SwiGLU of the GEMM outputs with the model's bf16 roundings (the products, silu(g),
+  silu(g) * u: each a bf16 tensor in the model)."""
+  def product(p, w_scale):
+    acc = np.asarray(p, np.float64).sum(axis=0)
+    if x_scale is not None:
+      acc = acc * np.asarray(x_scale, np.float64)[:, None] * np.asarray(w_scale, np.float64)
+    return _bf16_round(acc[:m])
+  g, u = product(gate, gate_scale), product(up, up_scale)
+  return _bf16_round(_bf16_round(g / (1 + np.exp(-g))) * u)
+
+
+@pytest.mark.parametrize("splits,scaled,m,rows_out,ub",
+                         [(3, True, 3, 8, None), (1, False, 2, 64, None), (2, True, 2, 4, 0.5)],
+                         ids=["split3_scaled_padded", "finished_bf16", "ub_caps"])
+def test_swiglu_quantize_matches_float64_in_interpret_mode(splits, scaled, m, rows_out, ub):
+  """The down projection's FP8 input straight from gate / up GEMM outputs: f32 split-K partials
+  with their epilogue scales (R = 8 > m rows: the GEMM's tile padding is not read), or finished
+  bf16 products; pad rows are zero rows; a cap below the rows' max clips."""
+  rng = np.random.default_rng(splits * 10 + m)
+  r, n = 8, 1024
+  dtype = jnp.float32 if scaled else jnp.bfloat16
+  gate = jnp.asarray(rng.standard_normal((splits, r, n)) * 2, dtype)
+  up = jnp.asarray(rng.standard_normal((splits, r, n)), dtype)
+  scales = (None, None, None)
+  if scaled:
+    scales = tuple(jnp.asarray(rng.uniform(0.5, 2.0, k), jnp.float32) for k in (r, n, n))
+  with pallas_kernels.interpret():
+    q, s = qr.swiglu_quantize_rows(gate, up, *scales, m=m, rows_out=rows_out, ub=ub,
+                                   implementation="pallas")
+  h = _np_swiglu(gate, up, *scales, m)
+  _check_swiglu(q, s, h, rows_out, ub)
+  if rows_out > m:
+    assert np.all(np.asarray(q[m:].astype(jnp.float32)) == 0)
+  q_x, s_x = qr.swiglu_quantize_rows(gate, up, *scales, m=m, rows_out=rows_out, ub=ub,
+                                     implementation="xla")
+  _check_swiglu(q_x, s_x, h, rows_out, ub)  # the XLA reference: the same float64 oracle
+
+
+def _check_swiglu(q, s, h, rows_out, ub):
+  """As `_check`, with one bf16 step of slack on h: silu(g) and silu(g) * u are rounded to bf16
+  after an f32 (kernel) or float64 (oracle) computation, so a value at a rounding boundary may
+  land one bf16 step (2**-8 relative) apart, a row's max too. Codes are compared against h / the
+  kernel's own scale."""
+  want_scaled, want_s = _np_quantize(h, rows_out, ub)
+  assert q.shape == (rows_out, h.shape[1]) and q.dtype == FP8 and s.shape == (rows_out,)
+  np.testing.assert_allclose(np.asarray(s), want_s, rtol=2.0 ** -7)
+  s64 = np.asarray(s, np.float64)
+  h_pad = np.concatenate([h, np.zeros((rows_out - h.shape[0], h.shape[1]))])
+  scaled = np.clip(h_pad / s64[:, None], -448, 448)
+  codes = np.asarray(jnp.asarray(scaled, jnp.float32).astype(FP8).astype(jnp.float32))
+  got = np.asarray(q.astype(jnp.float32))
+  assert np.mean(got == codes) >= 0.97, np.mean(got == codes)
+  step = np.maximum(np.abs(scaled) * (2.0 ** -3 + 2.0 ** -7), 2.0 ** -9)
+  assert np.all(np.abs(got - scaled) <= step)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_swiglu_quantize_lowers_at_maverick_shard_widths(arch):
+  """TP8 shard widths: 2048 (dense MLP), 1024 (shared expert); 4 split-K partials."""
+  sd = jax.ShapeDtypeStruct
+  for n in (1024, 2048):
+    text = pallas_kernels.lower_for_gpu(
+        lambda g, u, xs, gs, us: qr.swiglu_quantize_rows(g, u, xs, gs, us, m=1, rows_out=64,
+                                                         ub=1200.0, implementation="pallas"),
+        sd((4, 64, n), jnp.float32), sd((4, 64, n), jnp.float32), sd((64,), jnp.float32),
+        sd((n,), jnp.float32), sd((n,), jnp.float32), arch=arch)
+    assert text.count("mosaic_gpu_v2(") == 1, n
+
+
+def test_swiglu_quantize_bad_input():
+  g = jnp.ones((2, 4, 256), jnp.float32)
+  with pytest.raises(KernelInputError, match="must be the same"):
+    qr.swiglu_quantize_rows(g, g[:1], m=2, rows_out=4)
+  with pytest.raises(KernelInputError, match="together, or none"):
+    qr.swiglu_quantize_rows(g, g, jnp.ones((4,)), m=2, rows_out=4)
+  with pytest.raises(KernelInputError, match="rows_out >= m"):
+    qr.swiglu_quantize_rows(g, g, m=3, rows_out=2)
+  with pytest.raises(KernelInputError, match=r"expected x \[4\]"):
+    qr.swiglu_quantize_rows(g, g, jnp.ones((3,)), jnp.ones((256,)), jnp.ones((256,)), m=2,
+                            rows_out=4)

@@ -103,6 +103,25 @@ def gemm_many(x: jax.Array, ws, x_scale: jax.Array | None = None, w_scales=None,
   """`gemm` of one x with each weight of `ws` (same K, layout and dtype; `w_scales` a tuple like
   `ws` or None): a tuple of products, in ONE kernel launch on the kernel path (q, k and v, or
   gate and up, of a decode step: the launch, not the bytes, is the cost there)."""
+  return _gemm_many(x, ws, x_scale, w_scales, out_dtype=out_dtype, w_layout=w_layout,
+                    implementation=implementation, config=config,
+                    keep_row_padding=keep_row_padding)
+
+
+def gemm_many_partials(x: jax.Array, ws, x_scale: jax.Array | None = None, w_scales=None, *,
+                       out_dtype=jnp.bfloat16, w_layout: str = "nk",
+                       implementation: str | None = None):
+  """`gemm_many` for a consumer kernel that finishes the products itself (a split-K sum fused
+  into its prologue, not an XLA fusion of its own): (outputs [S, R >= M, N] each, x_scale [R],
+  w_scales) where the products are the sums over S times x_scale[:, None] * w_scale, rounded to
+  out_dtype (`pallas_kernels.quantize_rows.reference.combine_partials`); the scales are None
+  where the outputs are finished already (S = 1, and always on the XLA path)."""
+  return _gemm_many(x, ws, x_scale, w_scales, out_dtype=out_dtype, w_layout=w_layout,
+                    implementation=implementation, partials=True)
+
+
+def _gemm_many(x, ws, x_scale, w_scales, *, out_dtype, w_layout, implementation, config=None,
+               keep_row_padding=False, partials=False):
   ws = tuple(ws)
   check(len(ws) >= 1, "gemm_many: pass at least one weight")
   w_scales = (None,) * len(ws) if w_scales is None else tuple(w_scales)
@@ -131,9 +150,10 @@ def gemm_many(x: jax.Array, ws, x_scale: jax.Array | None = None, w_scales=None,
   wss = [None if s is None else s.astype(jnp.float32) for s in w_scales]
   finish = lambda out, n: out if keep_row_padding else out[:m].reshape(*lead, n)
   if impl == "xla":
-    return tuple(
+    outs = tuple(
         finish(reference.gemm(x2, v if w_layout == "nk" else v.T, xs, s, out_dtype=out_dtype), n)
         for v, s, n in zip(ws, wss, ns))
+    return (tuple(o.reshape(1, m, -1) for o in outs), None, None) if partials else outs
   if m == 0:
     return tuple(jnp.zeros((0, n) if keep_row_padding else (*lead, n), out_dtype) for n in ns)
   cfg = plan.config
@@ -146,6 +166,10 @@ def gemm_many(x: jax.Array, ws, x_scale: jax.Array | None = None, w_scales=None,
     xs = None if xs is None else jnp.pad(xs, (0, m_pad - m))
   outs = _KERNELS[arch](x2, ws, xs, None if xs is None else tuple(wss), cfg=cfg,
                         out_dtype=out_dtype)
+  if partials:
+    if cfg.k_splits > 1:
+      return outs, xs, None if xs is None else tuple(wss)
+    return tuple(o[None] for o in outs), None, None
   results = []
   for out, s, n in zip(outs, wss, ns):
     if cfg.k_splits > 1:  # f32 partials: reduce, then the epilogue XLA fuses into the reduction

@@ -15,6 +15,7 @@ FP8 = reference.FP8
 # launches are nothing next to the GEMM.
 MAX_ROWS = 1024
 _KERNEL = common.lowered_once(kernel.quantize, ("rows_out", "ub"))
+_SWIGLU_KERNEL = common.lowered_once(kernel.swiglu_quantize, ("m", "rows_out", "ub"))
 
 
 def pallas_support(m: int, k: int, rows_out: int, dtype) -> tuple[bool, str]:
@@ -44,3 +45,33 @@ def quantize_rows(x, rows_out: int | None = None, ub: float | None = None, *,
   if common.resolve(implementation, supported=ok, why=why) == "xla":
     return reference.quantize_rows(x, rows_out, ub)
   return _KERNEL(x, rows_out=rows_out, ub=ub)
+
+
+def swiglu_quantize_rows(gate, up, x_scale=None, gate_scale=None, up_scale=None, *, m: int,
+                         rows_out: int, ub: float | None = None,
+                         implementation: str | None = None):
+  """The FP8 input of an MLP's down projection straight from its gate / up GEMM outputs:
+  gate, up [S, R >= m, N] (S split-K f32 partials, unscaled; or S = 1 and the finished product),
+  x_scale [R] and gate_scale / up_scale [N] the GEMM's epilogue scales (all or none) ->
+  (e4m3 [rows_out, N], f32 scales [rows_out]) = quantize_rows(silu(g) * u) of the first m rows
+  with g, u the bf16 products (`reference.swiglu_quantize_rows`), in one launch."""
+  check(gate.ndim == 3 and up.shape == gate.shape,
+        f"swiglu_quantize_rows: gate {gate.shape} and up {up.shape} must be the same [S, R, N]")
+  _, r, n = gate.shape
+  scales = (x_scale, gate_scale, up_scale)
+  check(len({s is None for s in scales}) == 1,
+        "swiglu_quantize_rows: pass x_scale, gate_scale and up_scale together, or none")
+  if x_scale is not None:
+    check(x_scale.shape == (r,) and gate_scale.shape == (n,) and up_scale.shape == (n,),
+          f"swiglu_quantize_rows: scales x {x_scale.shape}, gate {gate_scale.shape}, up "
+          f"{up_scale.shape}; expected x [{r}] and gate / up [{n}]")
+  check(1 <= m <= r and rows_out >= m,
+        f"swiglu_quantize_rows: m={m}, rows_out={rows_out} for {r} rows; need 1 <= m <= {r} "
+        f"and rows_out >= m")
+  check(ub is None or ub > 0, f"swiglu_quantize_rows: ub={ub!r}; pass a positive cap or None")
+  ok, why = pallas_support(m, n, rows_out, jnp.float32)
+  if x_scale is not None:
+    scales = tuple(s.astype(jnp.float32) for s in scales)
+  if common.resolve(implementation, supported=ok, why=why) == "xla":
+    return reference.swiglu_quantize_rows(gate, up, *scales, m, rows_out, ub)
+  return _SWIGLU_KERNEL(gate, up, *scales, m=m, rows_out=rows_out, ub=ub)

@@ -28,6 +28,21 @@ def vec_size(k: int) -> int | None:
   return next((v for v in VEC_SIZES if k % (WARPGROUP * v) == 0), None)
 
 
+def row_scale(amax, ub: float | None):
+  """The scale of a row whose max |x| is `amax` (floored, capped at `ub`, mapped to 448)."""
+  amax = jnp.maximum(amax, reference.MIN_ROW_AMAX)
+  if ub is not None:
+    amax = jnp.minimum(amax, ub)
+  return amax / reference.FP8_MAX
+
+
+def write_quantized(xf, row, q_ref, s_ref, ub: float | None):
+  """Row `row` of the e4m3 output and its scale from the f32 row `xf` in registers."""
+  s = row_scale(jnp.max(jnp.abs(xf)), ub)
+  q_ref[row] = jnp.clip(xf / s, -reference.FP8_MAX, reference.FP8_MAX).astype(reference.FP8)
+  s_ref[row] = s
+
+
 def quantize(x, rows_out: int, ub: float | None):
   """x [M, K] bf16 / f32 -> (e4m3 [rows_out, K], f32 [rows_out])."""
   m, k = x.shape
@@ -38,13 +53,51 @@ def quantize(x, rows_out: int, ub: float | None):
     row = lax.axis_index("rows")
     xf = plgpu.layout_cast(x_ref[jnp.minimum(row, m - 1)], layout).astype(jnp.float32)
     xf = xf * (row < m).astype(jnp.float32)  # a scalar factor: where() cannot broadcast here
-    amax = jnp.maximum(jnp.max(jnp.abs(xf)), reference.MIN_ROW_AMAX)
-    if ub is not None:
-      amax = jnp.minimum(amax, ub)
-    s = amax / reference.FP8_MAX
-    q_ref[row] = jnp.clip(xf / s, -reference.FP8_MAX, reference.FP8_MAX).astype(reference.FP8)
-    s_ref[row] = s
+    write_quantized(xf, row, q_ref, s_ref, ub)
 
   out = (jax.ShapeDtypeStruct((rows_out, k), reference.FP8),
          jax.ShapeDtypeStruct((rows_out,), jnp.float32))
   return plgpu.kernel(body, out_type=out, grid=(rows_out,), grid_names=("rows",))(x)
+
+
+def _bf16(x):
+  """Rounds f32 values to bf16 and back: the model's bf16 tensors between its ops."""
+  return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def swiglu_quantize(gate, up, x_scale, gate_scale, up_scale, m: int, rows_out: int,
+                    ub: float | None):
+  """gate / up [S, R, N] (a GEMM's S split-K f32 partials, or S = 1 and its finished product;
+  with the epilogue scales x_scale [R], gate_scale / up_scale [N], or all three None) ->
+  (e4m3 [rows_out, N], f32 [rows_out]): per row the split-K sum, scales, bf16 rounding and
+  silu(g) * u as the model's bf16 ops give them, then quantize's per-row FP8. Rows m.. are
+  zero rows. One launch where XLA took two (the SwiGLU fusion, which the sum and scales ride
+  in, then the quantization); the row is in registers for both."""
+  splits, _, n = gate.shape
+  layout = plgpu.Layout.WG_STRIDED((n,), vec_size=vec_size(n))
+  scaled = x_scale is not None
+
+  def body(*refs):
+    common.pdl_prologue()
+    g_ref, u_ref, *scale_refs, q_ref, s_ref = refs
+    row = lax.axis_index("rows")
+    src = jnp.minimum(row, m - 1)
+
+    def product(p_ref, w_ref):
+      acc = plgpu.layout_cast(p_ref[0, src], layout).astype(jnp.float32)
+      for split in range(1, splits):
+        acc = acc + plgpu.layout_cast(p_ref[split, src], layout).astype(jnp.float32)
+      if scaled:
+        acc = acc * xs_ref[src] * plgpu.layout_cast(w_ref[...], layout)
+      return _bf16(acc)
+
+    xs_ref, gs_ref, us_ref = scale_refs if scaled else (None, None, None)
+    g, u = product(g_ref, gs_ref), product(u_ref, us_ref)
+    h = _bf16(_bf16(g / (1.0 + jnp.exp(-g))) * u)
+    h = h * (row < m).astype(jnp.float32)  # pad rows: a zero row (a scalar factor, as above)
+    write_quantized(h, row, q_ref, s_ref, ub)
+
+  out = (jax.ShapeDtypeStruct((rows_out, n), reference.FP8),
+         jax.ShapeDtypeStruct((rows_out,), jnp.float32))
+  args = (gate, up) + ((x_scale, gate_scale, up_scale) if scaled else ())
+  return plgpu.kernel(body, out_type=out, grid=(rows_out,), grid_names=("rows",))(*args)
