@@ -55,6 +55,11 @@ from pallas_kernels.decode_attention import api as decode_api
 # rounding per element) and both sides accumulate in f32 in different orders; 2e-2 leaves room
 # for that and still catches a wrong tile, mask or scale (those are O(1) errors).
 PROBE_TOL = 2e-2
+# An FP8 epilogue's probe (the rows a kernel quantizes for the next GEMM, dequantized): one e4m3
+# step (2^-3 of a value) may flip where the two paths round the row differently (and the scales
+# differ by a bf16 step), so the bound is twice that step (a wrong scale or row is off by 50 %
+# or more).
+EPILOGUE_PROBE_TOL = 0.25
 # The MoE's per-row expert schedule (decode / verify) up to this many routed rows (rows x top-k):
 # one tile a row, so a large batch would run many 64/128-row tiles for one row each.
 ROW_PATH_MAX_ROWS = 64
@@ -245,7 +250,8 @@ def _remember_site(out, fuse: Fuse):
 class _ForwardScope:
   """What the fused sites of one forward share (see `fused_forward`)."""
   semaphores: dict = dataclasses.field(default_factory=dict)  # rows -> semaphore buffer
-  quantized: list = dataclasses.field(default_factory=list)  # (normed, e4m3 rows, scales, ub)
+  # (normed, e4m3 rows, scales, ub, their shard_map specs: whole rows, or split by columns)
+  quantized: list = dataclasses.field(default_factory=list)
 
 
 _FORWARD: contextvars.ContextVar[_ForwardScope | None] = contextvars.ContextVar(
@@ -266,12 +272,18 @@ def fused_forward():
     _FORWARD.reset(token)
 
 
-def remember_quantized(normed, q, scale, ub) -> None:
+WHOLE_ROWS = (P(None, None), P(None))
+
+
+def remember_quantized(normed, q, scale, ub, specs=WHOLE_ROWS) -> None:
   """Records `normed`'s FP8 rows (e4m3 [rows_out, D], f32 scales [rows_out], quantized per row
-  with cap `ub`) for the GEMMs that take `normed` next in this forward (or this shard_map)."""
+  with cap `ub`) for the GEMMs that take `normed` next in this forward (or this shard_map).
+  `specs`: how (q, scale) split over the mesh outside shard_map: whole rows on every device, or
+  (P(None, axes), P(axes)) for rows each device quantized over its own columns (its heads of the
+  attention output: a scale per device and row)."""
   scope = _FORWARD.get()
   if scope is not None:
-    scope.quantized.append((normed, q, scale, ub))
+    scope.quantized.append((normed, q, scale, ub, specs))
 
 
 def carry_quantized(normed, reshaped) -> None:
@@ -282,13 +294,14 @@ def carry_quantized(normed, reshaped) -> None:
       scope.quantized.append((reshaped, *entry[1:]))
 
 
-def quantized_rows(x, ub=None, rows_out: int | None = None):
+def quantized_rows(x, ub=None, rows_out: int | None = None, specs=WHOLE_ROWS):
   """(e4m3 rows, scales) recorded for this very array `x` (identity: the value a fused site
   returned, passed on unchanged), quantized with cap `ub` (and padded to `rows_out` rows when
-  given), or None."""
+  given) and split over the mesh as `specs` says, or None."""
   scope = _FORWARD.get()
-  for normed, q, scale, cap in () if scope is None else scope.quantized:
-    if normed is x and cap == ub and (rows_out is None or q.shape[0] == rows_out):
+  for normed, q, scale, cap, split in () if scope is None else scope.quantized:
+    if (normed is x and cap == ub and (rows_out is None or q.shape[0] == rows_out)
+        and split == specs):
       return q, scale
   return None
 
@@ -368,13 +381,12 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
   probe = selfcheck.Probe(
       "allreduce_norm", f"partial {_sig(partial)} over {n} devices + residual {_sig(residual)}",
       f"{_sig(partial, residual, weight)} eps={eps} axes={axes}", make_args, run, PROBE_TOL)
-  # The FP8 epilogue has a probe of its own: one e4m3 step (2^-3 of a value) may flip where the
-  # two paths round the normed row differently (and the scales differ by a bf16 step), so its
-  # bound is twice that step (a wrong scale or row is off by 50 % or more).
+  # The FP8 epilogue has a probe of its own (EPILOGUE_PROBE_TOL).
   fp8_probe = None if quantize is None else selfcheck.Probe(
       "allreduce_norm FP8 epilogue", f"{_sig(residual)} rows to e4m3 [{quantize[0]}, D]",
       f"{_sig(partial, residual, weight)} eps={eps} axes={axes} quantize={quantize}", make_args,
-      lambda implementation, *args: run(implementation, *args, dequantized=True), 0.25)
+      lambda implementation, *args: run(implementation, *args, dequantized=True),
+      EPILOGUE_PROBE_TOL)
   if use_pallas(fuse.kernels, ok, probe) and (
       fp8_probe is None or fuse.kernels == "pallas" or selfcheck.passed(fp8_probe)):
     if semaphores is not None and semaphores.shape != (2 * math.prod(residual.shape[:-1]),):
@@ -454,14 +466,24 @@ def _sharded_linear(spec, x, w, scale, quant, kernels, out_dtype, input_scale, p
   `fuse`: the psum is the fused all-reduce + residual + norm; a local GEMM the kernel declines
   then runs `xla` (the einsum's XLA path) on the shards, so the site always fuses."""
   x_spec, w_spec, scale_spec, out_spec, reduce_axes = shard_specs(spec, x, plan, w_axes)
+  # x's FP8 rows from the kernel before, each device's over its slice of x's columns (the
+  # decode attention's heads for o): the row-parallel GEMM quantizes exactly that slice.
+  pre, pre_specs = None, None
+  split = [e for e in x_spec[1:] if e is not None]
+  if quant is not None and scale is not None and x_spec[0] is None and len(split) == 1:
+    pre_specs = (P(None, split[0]), P(split[0]))
+    pre = quantized_rows(x, quant.activation_scale_ub, specs=pre_specs)
 
-  def local(x_, w_, s_, si_):
+  def local(x_, w_, s_, si_, pre_):
+    if pre_ is not None:
+      remember_quantized(x_, *pre_, quant.activation_scale_ub)
     # A fused site takes the GEMM's tile-padded rows as they are (no slice launch).
     y = linear(spec, x_, w_, s_, quant, kernels, out_dtype, input_scale=si_,
                keep_row_padding=fuse is not None and bool(reduce_axes))
     return y if y is not None or fuse is None else xla(x_, w_, s_, si_)
 
-  return _on_shards(plan, local, (x, w, scale, input_scale), (x_spec, w_spec, scale_spec, P()),
+  return _on_shards(plan, local, (x, w, scale, input_scale, pre),
+                    (x_spec, w_spec, scale_spec, P(), None if pre is None else pre_specs),
                     out_spec, reduce_axes, fuse if reduce_axes else None)
 
 
@@ -548,7 +570,8 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   w_scale = None if scale is None else scale.reshape(n)
   out_dtype = out_dtype or x.dtype
 
-  def run(implementation, x2, w2, w_scale, input_scale, keep_row_padding=False):
+  def run(implementation, x2, w2, w_scale, input_scale, keep_row_padding=False, pre=None):
+    """pre: x's FP8 rows made by the kernel before (`quantized_rows`)."""
     x_scale = None
     rows = x2.shape[0]
     if static or quantize_x:
@@ -559,6 +582,8 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
     if static:
       x2, x_scale = _quantize_static_rows(jnp.pad(x2, ((0, rows_out - rows), (0, 0))),
                                           input_scale)
+    elif quantize_x and pre is not None and pre[0].shape == (rows_out, k):
+      x2, x_scale = pre
     elif quantize_x:
       x2, x_scale = _quantize_dynamic(x2, rows_out, quant.activation_scale_ub, implementation)
     out = gemm_lib.gemm(x2, w2, x_scale, w_scale, w_layout=layout, out_dtype=out_dtype,
@@ -576,8 +601,9 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
       f" out={jnp.dtype(out_dtype).name}", make_args, run, PROBE_TOL)
   if not use_pallas(kernels, ok, probe):
     return None
+  pre = quantized_rows(x, quant.activation_scale_ub) if quantize_x else None
   out = run("pallas", x2, w2, w_scale, input_scale if static else None,
-            keep_row_padding=keep_row_padding and len(w_out) == 1)
+            keep_row_padding=keep_row_padding and len(w_out) == 1, pre=pre)
   return out if keep_row_padding and len(w_out) == 1 else out.reshape(*batch, *w_out)
 
 
@@ -747,15 +773,25 @@ def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None, plan
 
 
 def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tree,
-                    kv_scales: dict, kernels: str | None, plan=None, block_table=None):
+                    kv_scales: dict, kernels: str | None, plan=None, block_table=None,
+                    quantize_for: tuple[int, float | bool] | None = None):
   """Decode / verify / tree-verify attention of T new queries over the KV cache, or None.
   `block_table` [B, M]: the cache is paged, k_cache/v_cache (and any kv_scales) are the layer's
   pools [N, bs, K, ...] and the kernel reads them through the table (no gather); a None return
   leaves the gather to the caller's XLA path. `plan`: a sharded model's; the kernel runs on
   each device's rows and heads of q and the cache (sharded by KV heads,
-  `sharding.constrain_cache`; paged pools have no row axis and go whole to every row shard)."""
+  `sharding.constrain_cache`; paged pools have no row axis and go whole to every row shard).
+  `quantize_for` = (N, ub as `Fuse.quantize_ub`): the output feeds an FP8 GEMM to N features
+  that quantizes its input per token (o): the combine kernel also writes those FP8 rows
+  (`remember_quantized`; on a sharded model each device's over its heads), saving that GEMM
+  its quantize launch."""
   if kernels == "xla":
     return None
+  if plan is not None and quantize_for is not None:
+    q_spec = _head_specs(plan, q.shape[0])[0]
+    heads = q_spec[2]
+    if q_spec[0] is not None or heads is None:  # rows split (EP attention), or heads not
+      quantize_for = None
   paged = block_table is not None
   # Static FP8 KV: the kernel reads a scale per slot, so it gets the layer's scalar broadcast to
   # [B, S, K] (paged: [N, bs, K]), built per call (the bytes the dynamic mode's scales cost).
@@ -770,8 +806,8 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
 
     def local(q_, kc, vc, pos, scales, leaves, table):
       tree_ = None if tree is None else jax.tree.unflatten(treedef, leaves)
-      return cache_attention(q_, kc, vc, pos, chunk_size, tree_, dict(zip(names, scales)),
-                             kernels, block_table=table)
+      return _local_cache_attention(q_, kc, vc, pos, chunk_size, tree_,
+                                    dict(zip(names, scales)), kernels, table, quantize_for)
 
     args = (q, k_cache, v_cache, q_positions, [kv_scales[n] for n in names], tree_leaves,
             block_table)
@@ -779,7 +815,41 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
     specs = (q_spec, kv_spec, kv_spec, P(rows, None), [P(kv_spec[0], None, kv_spec[2])] * len(names),
              [P(rows, *([None] * (a.ndim - 1))) for a in tree_leaves],
              P(rows, None) if paged else None)
-    return _on_shards(plan, local, args, specs, q_spec)
+    out_spec = q_spec
+    if quantize_for is not None:
+      struct = lambda spec, a: _local_struct(a, spec, plan.mesh)
+      local_args = jax.tree.map(struct, specs, args, is_leaf=lambda x: isinstance(x, P))
+      with selfcheck.on_mesh(plan.mesh):
+        shapes = jax.eval_shape(local, *local_args)
+      if not isinstance(shapes, tuple):  # the kernel did not quantize these shards
+        quantize_for = None
+      else:
+        out_spec = (q_spec, P(None, heads), P(heads))
+    out = _on_shards(plan, local, args, specs, out_spec)
+    if out is None or quantize_for is None:
+      return out
+    y, rows, row_scales = out
+    remember_quantized(y, rows, row_scales, _ub(quantize_for[1]), specs=out_spec[1:])
+    return y
+  out = _local_cache_attention(q, k_cache, v_cache, q_positions, chunk_size, tree, kv_scales,
+                               kernels, block_table, quantize_for)
+  if not isinstance(out, tuple):
+    return out
+  y, rows, row_scales = out
+  remember_quantized(y, rows, row_scales, _ub(quantize_for[1]))
+  return y
+
+
+def _ub(quantize_ub):
+  """A `Fuse.quantize_ub` as the cap quantize_rows takes (True: none)."""
+  return None if quantize_ub is True else quantize_ub
+
+
+def _local_cache_attention(q, k_cache, v_cache, q_positions, chunk_size, tree, kv_scales,
+                           kernels, block_table, quantize_for):
+  """`cache_attention` on one device's shards: its output, None (XLA), or with `quantize_for`
+  where the combine kernel takes it, (output, e4m3 rows, scales)."""
+  paged = block_table is not None
   tree_size = None if tree is None else tree.positions.shape[1]
   if paged:
     ok = decode.pallas_support_paged(q, k_cache, block_table, tree_size)[0]
@@ -793,8 +863,8 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
     extras += [tree.start, tree.positions, tree.visible]
   lead = (q, k_cache, v_cache) + ((block_table,) if paged else ())
 
-  def run(implementation, q, k_cache, v_cache, *rest):
-    kw = dict(chunk_size=chunk_size, implementation=implementation)
+  def run(implementation, q, k_cache, v_cache, *rest, quantize=None):
+    kw = dict(chunk_size=chunk_size, implementation=implementation, quantize=quantize)
     if paged:
       return decode.decode_attention_paged(q, k_cache, v_cache, *rest[:2], **kw,
                                            **dict(zip(names, rest[2:])))
@@ -837,4 +907,29 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
       make_args, run, PROBE_TOL)
   if not use_pallas(kernels, ok, probe):
     return None
-  return run("pallas", *lead, q_positions, *extras)
+  quantize = _attention_quantize(q, quantize_for, kernels, probe, run)
+  return run("pallas", *lead, q_positions, *extras, quantize=quantize)
+
+
+def _attention_quantize(q, quantize_for, kernels, probe, run):
+  """decode_attention's `quantize` for an FP8 o projection (rows padded to its GEMM's row tile),
+  or None: no consumer, the combine kernel does not take the token rows, or (auto) the epilogue's
+  own self-check failed (the attention then runs without it, the GEMM quantizes)."""
+  if quantize_for is None:
+    return None
+  B, T, H, Dh = q.shape
+  n, ub = quantize_for[0], _ub(quantize_for[1])
+  rows, k = B * T, H * Dh
+  tile = gemm_lib.row_tile(rows, n, k, quant_ops.FP8, quant_ops.FP8)
+  if tile <= 1 or not decode.supports_quantize(H, Dh):
+    return None
+  quantize = (rows + (-rows % tile), ub)
+
+  def dequantized(implementation, *args):  # the probe compares one array: the rows' values
+    _, rows_q, scales = run(implementation, *args, quantize=quantize)
+    return rows_q.astype(jnp.float32) * scales[:, None]
+
+  epilogue = dataclasses.replace(probe, op=probe.op + " FP8 epilogue",
+                                 key=f"{probe.key} quantize={quantize}", run=dequantized,
+                                 tol=EPILOGUE_PROBE_TOL)
+  return quantize if use_pallas(kernels, True, epilogue) else None

@@ -358,7 +358,8 @@ class Attention(nnx.Module):
           kv_scales = static_scales
         out = kernels_lib.cache_attention(q, view[0], view[1], positions_bt,
                                           self.chunk_size, tree, kv_scales, self.kernels,
-                                          sharding_plan.plan_of(self), block_table)
+                                          sharding_plan.plan_of(self), block_table,
+                                          quantize_for=self._o_quantize_for())
         if out is None:
           if block_table is not None:  # XLA reads the gathered contiguous view
             view = tuple(kvc.gather(c, block_table) for c in new_cache)
@@ -403,6 +404,14 @@ class Attention(nnx.Module):
       scale = temperature_scale(positions_bt, self.floor_scale, self.attn_scale)
       q = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(q.dtype)
     return q, k, v
+
+  def _o_quantize_for(self):
+    """(N, ub) when o is an FP8 GEMM that quantizes its input per token (the attention kernel
+    then writes those rows: `kernels_lib.cache_attention`), else None."""
+    ub = kernels_lib.fp8_input_ub(self.quant)
+    if ub is None or _value(self.o_scale) is None or _value(self.o_input_scale) is not None:
+      return None
+    return self.o[...].shape[0], ub  # FP8: stored K-major, [D, H, Dh]
 
   def output(self, out_bthk, fuse=None):
     return contraction.einsum("bthk,hkd->btd", out_bthk, self.o[...], _value(self.o_scale),

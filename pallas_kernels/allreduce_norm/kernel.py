@@ -34,7 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.quantize_rows.reference import FP8, FP8_MAX, MIN_ROW_AMAX
+from pallas_kernels.quantize_rows import kernel as quantize_kernel
+from pallas_kernels.quantize_rows.reference import FP8, FP8_MAX
 
 # multimem ld_reduce works on 32-bit words at least: 2 bf16 per vector minimum; 8 bf16 = 16 B.
 VEC_SIZES = (8, 4, 2)
@@ -103,7 +104,7 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
     def _():  # the GEMM's tile padding: what quantizing a zero row gives
       zero = plgpu.layout_cast(jnp.zeros((d,), jnp.float32), layout)
       q_ref[row] = zero.astype(q_ref.dtype)
-      s_ref[row] = _row_scale(jnp.float32(0.0), ub)
+      s_ref[row] = quantize_kernel.row_scale(jnp.float32(0.0), ub)
 
   def row_body(row, x_ref, r_ref, w_ref, h_ref, y_ref, q_ref, s_ref, *sems):
     if multimem:
@@ -125,7 +126,7 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
     y_ref[row] = y
     if q_ref is not None:
       yf = y.astype(jnp.float32)
-      scale = _row_scale(jnp.max(jnp.abs(yf)), ub)
+      scale = quantize_kernel.row_scale(jnp.max(jnp.abs(yf)), ub)
       q_ref[row] = jnp.clip(yf / scale, -FP8_MAX, FP8_MAX).astype(q_ref.dtype)
       s_ref[row] = scale
     if multimem:
@@ -141,11 +142,3 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
   args = (partial, residual, weight) + ((semaphores,) if shared else ())
   return plgpu.kernel(body, out_type=out_types, grid=(rows_out,), grid_names=("rows",),
                       scratch_types=sems)(*args)
-
-
-def _row_scale(amax, ub):
-  """quantize_rows' scale of a row whose max |y| is `amax`."""
-  amax = jnp.maximum(amax, MIN_ROW_AMAX)
-  if ub is not None:
-    amax = jnp.minimum(amax, ub)
-  return amax / FP8_MAX

@@ -2,6 +2,7 @@
 
 from pallas_kernels.decode_attention.api import (decode_attention, decode_attention_paged,
                                                  pallas_support, pallas_support_paged)
+from pallas_kernels.decode_attention.combine import supports_quantize
 
 __all__ = ["decode_attention", "decode_attention_paged", "pallas_support",
-           "pallas_support_paged"]
+           "pallas_support_paged", "supports_quantize"]

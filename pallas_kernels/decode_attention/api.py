@@ -22,6 +22,7 @@ from pallas_kernels import common
 from pallas_kernels.decode_attention import combine as combine_kernel
 from pallas_kernels.decode_attention import plan as plan_lib
 from pallas_kernels.decode_attention import reference
+from pallas_kernels.quantize_rows import reference as quantize_reference
 
 SUPPORTED_HEAD_DIMS = plan_lib.SUPPORTED_HEAD_DIMS
 BLOCK_KV = plan_lib.BLOCK_KV
@@ -83,6 +84,35 @@ def _validate(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tr
           f"tree_visible: got {_shape(tree_visible)}; expected bool [B={B}, T={T}, R={R}]")
 
 
+def _validate_quantize(quantize, tokens):
+  if quantize is None:
+    return
+  check = common.check
+  check(isinstance(quantize, tuple) and len(quantize) == 2,
+        f"quantize: got {quantize!r}; pass (rows_out, ub) or None")
+  rows_out, ub = quantize
+  check(isinstance(rows_out, int) and rows_out >= tokens,
+        f"quantize: rows_out={rows_out!r} is fewer than the B*T={tokens} token rows")
+  check(ub is None or ub > 0, f"quantize: ub={ub!r}; pass a positive cap or None")
+
+
+def _quantize_kw(quantize):
+  """_pallas's quantize keyword: none without quantize (the call stays as it was), else a
+  hashable jit key (int, float or None), so ub 1200 and 1200.0 share a compile."""
+  if quantize is None:
+    return {}
+  return {"quantize": (int(quantize[0]), None if quantize[1] is None else float(quantize[1]))}
+
+
+def _quantize_xla(y, quantize):
+  """(y, q, s): y's token rows [B*T, H*Dh] quantized as quantize_rows does (the fallback)."""
+  if quantize is None:
+    return y
+  B, T, H, Dh = y.shape
+  q, s = quantize_reference.quantize_rows(y.reshape(B * T, H * Dh), quantize[0], quantize[1])
+  return y, q, s
+
+
 def _kernel_module(arch: str):
   """The split-K kernel for `arch`: sm90 (wgmma, 64-row tiles) or sm100 (tcgen05, 128 rows)."""
   if arch == "sm100":
@@ -109,18 +139,21 @@ def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
 # One jit over the packing, the kernel and the combine (eager jnp ops would each compile).
 # mode = (interpreting, arch, consumer warpgroups, K/V stages) is static: interpreted and GPU executables never
 # share a cache entry.
-@functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
+@functools.partial(jax.jit,
+                   static_argnames=("chunk_size", "num_splits", "sm_scale", "mode", "quantize"))
 def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
-            tree_positions, tree_visible, num_splits, sm_scale, mode):
+            tree_positions, tree_visible, num_splits, sm_scale, mode, quantize=None):
   return _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
-              tree_positions, tree_visible, num_splits, sm_scale, mode, None)
+              tree_positions, tree_visible, num_splits, sm_scale, mode, None, quantize)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "num_splits", "sm_scale", "mode"))
+@functools.partial(jax.jit,
+                   static_argnames=("chunk_size", "num_splits", "sm_scale", "mode", "quantize"))
 def _pallas_paged(q, k_pool, v_pool, block_table, q_positions, chunk_size, k_scale, v_scale,
-                  tree_start, tree_positions, tree_visible, num_splits, sm_scale, mode):
+                  tree_start, tree_positions, tree_visible, num_splits, sm_scale, mode,
+                  quantize=None):
   return _run(q, k_pool, v_pool, q_positions, chunk_size, k_scale, v_scale, tree_start,
-              tree_positions, tree_visible, num_splits, sm_scale, mode, block_table)
+              tree_positions, tree_visible, num_splits, sm_scale, mode, block_table, quantize)
 
 
 def _split_tiles(block_table, block_size, split_first, num_blocks, per_max):
@@ -143,8 +176,9 @@ def _split_tiles(block_table, block_size, split_first, num_blocks, per_max):
 
 
 def _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
-         tree_positions, tree_visible, num_splits, sm_scale, mode, block_table):
-  """The kernel on a contiguous cache (block_table None) or on pools + block table."""
+         tree_positions, tree_visible, num_splits, sm_scale, mode, block_table, quantize=None):
+  """The kernel on a contiguous cache (block_table None) or on pools + block table; with
+  `quantize`, (y, q, s)."""
   kernel = _kernel_module(mode[1])
   B, T, H, Dh = q.shape
   K = k_cache.shape[2]
@@ -229,10 +263,15 @@ def _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_st
       num_kv_heads=K, num_splits=num_splits, block_kv=BLOCK_KV, sm_scale=sm_scale,
       compute_wgs=mode[2], stages=mode[3], tile_table=tiles)
   if combine_kernel.supported_head_dim(Dh):  # one launch, where XLA's combine takes four
-    return combine_kernel.combine_rows(out, lse, batch=B, steps=T, groups=G, out_dtype=q.dtype)
+    if quantize is not None and combine_kernel.supports_quantize(H, Dh):
+      # The O-proj's FP8 input from the same launch: no quantize kernel after it.
+      return combine_kernel.combine_rows(out, lse, batch=B, steps=T, groups=G,
+                                         out_dtype=q.dtype, quantize=quantize)
+    y = combine_kernel.combine_rows(out, lse, batch=B, steps=T, groups=G, out_dtype=q.dtype)
+    return _quantize_xla(y, quantize)
   out = combine(out.astype(jnp.float32), lse)  # [B*K, Mpad, Dh] f32
   out = out[:, :M].reshape(B, K, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B, T, H, Dh)
-  return out.astype(q.dtype)
+  return _quantize_xla(out.astype(q.dtype), quantize)
 
 
 def combine(out, lse):
@@ -255,17 +294,24 @@ def combine(out, lse):
 def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None = None,
                      k_scale=None, v_scale=None, tree_start=None, tree_positions=None,
                      tree_visible=None, num_splits: int | None = None,
-                     sm_scale: float | None = None, implementation: str | None = None):
+                     sm_scale: float | None = None, implementation: str | None = None,
+                     quantize: tuple[int, float | None] | None = None):
   """q [B,T,H,Dh] bf16; k_cache/v_cache [B,S,K,Dh] bf16 or float8_e4m3fn (then k_scale/v_scale
   [B,S,K] f32); q_positions [B,T] int. Optional chunk_size (chunked layers), tree block
   (tree_start [B], tree_positions [B,R], tree_visible [B,T,R] bool), num_splits (split-K; auto
   from the SM count, at most S // 64), sm_scale (default Dh**-0.5). Returns [B,T,H,Dh] bf16.
   The kernel takes head_dim 64/128, S % 64 == 0 and trees of at most 128 slots; otherwise None
   falls back to XLA and "pallas" raises KernelInputError. Kernels: sm90.py (Hopper, wgmma) and
-  sm100.py (Blackwell, tcgen05/TMEM), picked by `common.target_arch()`."""
+  sm100.py (Blackwell, tcgen05/TMEM), picked by `common.target_arch()`.
+
+  `quantize` (rows_out >= B*T, ub None or > 0): returns (y, q, s), q e4m3 [rows_out, H*Dh] and
+  s f32 [rows_out] = quantize_rows.reference.quantize_rows(y.reshape(B*T, H*Dh), rows_out, ub):
+  the O-projection's FP8 input, written by the combine kernel where it takes the token row
+  (combine.supports_quantize), else quantized by XLA after it."""
   _validate(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
             tree_positions, tree_visible, num_splits)
   B, T, H, Dh = q.shape
+  _validate_quantize(quantize, B * T)
   sm_scale = float(Dh ** -0.5 if sm_scale is None else sm_scale)
   interpreting = common.interpreting()
   plan = plan_lib.plan(
@@ -275,13 +321,14 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
       compute_wgs=INTERPRET_COMPUTE_WGS if interpreting else COMPUTE_WGS)
   impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla":
-    return reference.decode_attention(
+    return _quantize_xla(reference.decode_attention(
         q, k_cache, v_cache, q_positions, chunk_size=chunk_size, k_scale=k_scale,
         v_scale=v_scale, tree_start=tree_start, tree_positions=tree_positions,
-        tree_visible=tree_visible, sm_scale=sm_scale)
+        tree_visible=tree_visible, sm_scale=sm_scale), quantize)
   mode = (interpreting, common.target_arch(), plan.config.compute_wgs, plan.config.stages)
   return _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
-                 tree_positions, tree_visible, num_splits, sm_scale, mode)
+                 tree_positions, tree_visible, num_splits, sm_scale, mode,
+                 **_quantize_kw(quantize))
 
 
 def pallas_support(q, k_cache, tree_size: int | None = None, *, arch: str | None = None
@@ -312,13 +359,15 @@ def decode_attention_paged(q, k_pool, v_pool, block_table, q_positions, *,
                            chunk_size: int | None = None, k_scale=None, v_scale=None,
                            tree_start=None, tree_positions=None, tree_visible=None,
                            num_splits: int | None = None, sm_scale: float | None = None,
-                           implementation: str | None = None):
+                           implementation: str | None = None,
+                           quantize: tuple[int, float | None] | None = None):
   """decode_attention over a paged cache: k_pool/v_pool [N, bs, K, Dh] (FP8: k_scale/v_scale
   [N, bs, K]) and block_table [B, M] int32: slot s of row b (position s, as in the contiguous
   cache of M * bs slots) is pool[block_table[b, s // bs], s % bs]; entries < 0 hold no block
   and must lie outside every query's mask. The kernel reads each 64-slot KV tile straight from
   its block (bs must be a multiple of 64; see plan.py), never materialising the contiguous
-  view; "xla" gathers that view (reference.gather_pages) and runs the reference."""
+  view; "xla" gathers that view (reference.gather_pages) and runs the reference. `quantize`:
+  as decode_attention's, returns (y, q, s)."""
   _validate_paged(k_pool, v_pool, block_table, k_scale, v_scale)
   B = q.shape[0]
   common.check(block_table.shape[0] == B,
@@ -328,6 +377,7 @@ def decode_attention_paged(q, k_pool, v_pool, block_table, q_positions, *,
   scale_view = None if k_scale is None else jax.ShapeDtypeStruct(view.shape[:3], k_scale.dtype)
   _validate(q, view, view, q_positions, chunk_size, scale_view, scale_view, tree_start,
             tree_positions, tree_visible, num_splits)
+  _validate_quantize(quantize, B * q.shape[1])
   Dh = q.shape[3]
   sm_scale = float(Dh ** -0.5 if sm_scale is None else sm_scale)
   interpreting = common.interpreting()
@@ -340,14 +390,14 @@ def decode_attention_paged(q, k_pool, v_pool, block_table, q_positions, *,
   impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
   if impl == "xla":
     gather = lambda x: None if x is None else reference.gather_pages(x, block_table)
-    return reference.decode_attention(
+    return _quantize_xla(reference.decode_attention(
         q, gather(k_pool), gather(v_pool), q_positions, chunk_size=chunk_size,
         k_scale=gather(k_scale), v_scale=gather(v_scale), tree_start=tree_start,
-        tree_positions=tree_positions, tree_visible=tree_visible, sm_scale=sm_scale)
+        tree_positions=tree_positions, tree_visible=tree_visible, sm_scale=sm_scale), quantize)
   mode = (interpreting, common.target_arch(), plan.config.compute_wgs, plan.config.stages)
   return _pallas_paged(q, k_pool, v_pool, block_table.astype(jnp.int32), q_positions,
                        chunk_size, k_scale, v_scale, tree_start, tree_positions, tree_visible,
-                       num_splits, sm_scale, mode)
+                       num_splits, sm_scale, mode, **_quantize_kw(quantize))
 
 
 def pallas_support_paged(q, k_pool, block_table, tree_size: int | None = None, *,
