@@ -5,6 +5,8 @@ References: the same model with the epilogue switched off (the o GEMM quantizes 
 output itself with the quantize kernel): both quantize the same bf16 rows with the same f32 math,
 so the logits are equal; and, sharded, which rows each device's o GEMM takes."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from maverick import kernels as kernels_lib
 from maverick import model as model_lib
 from maverick import quant
 from maverick import sharding
-from pallas_kernels import decode_attention
+from pallas_kernels import decode_attention, selfcheck
 from test_kernels_model import _prefill_then_decode, aligned_config
 from test_sharded_kernels import B, _decode_step
 from test_sharded_kernels import _prefill_then_decode as tp8_prefill_then_decode
@@ -119,3 +121,42 @@ def test_tp8_logits_equal_with_and_without_the_epilogue(reference_kernels, monke
   assert quantizing and all(q is None for q in quantizing), quantizing
   np.testing.assert_array_equal(prefill, prefill0)
   np.testing.assert_array_equal(step, step0)
+
+
+def test_epilogue_has_its_own_self_check(monkeypatch, tmp_path):
+  """Auto mode: the attention runs the epilogue only when its own probe passes too (the FP8
+  rows, dequantized, within one e4m3 step). The entry swapped for its reference passes both
+  probes; with the kernel side's scales off by 2x the epilogue's fails: one
+  KernelFallbackWarning naming it, and the attention still runs its kernel, without the
+  epilogue (o then quantizes its input itself)."""
+  rng = np.random.default_rng(4)
+  B, T, H, S = 1, 1, 4, 128
+  bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  q, k_cache, v_cache = bf16(B, T, H, HEAD_DIM), bf16(B, S, 1, HEAD_DIM), bf16(B, S, 1, HEAD_DIM)
+  positions = jnp.full((B, T), S - 1, jnp.int32)
+  original, calls = decode_attention.decode_attention, []
+
+  def reference(*args, bad=False, **kw):
+    calls.append((kw["implementation"], kw.get("quantize")))
+    out = original(*args, **dict(kw, implementation="xla"))
+    if bad and kw["implementation"] == "pallas" and kw.get("quantize") is not None:
+      out = (out[0], out[1], out[2] * 2)
+    return out
+
+  for bad in (False, True):
+    monkeypatch.setattr(decode_attention, "decode_attention",
+                        lambda *a, _bad=bad, **k: reference(*a, bad=_bad, **k))
+    monkeypatch.setenv("MAVERICK_CACHE_DIR", str(tmp_path / str(bad)))
+    selfcheck.clear_memory()
+    with (pallas_kernels.interpret(), selfcheck.force(), kernels_lib.fused_forward(),
+          warnings.catch_warnings(record=True) as ws):
+      warnings.simplefilter("always")
+      y = kernels_lib.cache_attention(q, k_cache, v_cache, positions, None, None, {}, None,
+                                      quantize_for=(256, True))
+      rows = kernels_lib.quantized_rows(y, None)
+    fallbacks = [w for w in ws if issubclass(w.category, selfcheck.KernelFallbackWarning)]
+    assert selfcheck.probes_run == 2, selfcheck.probes_run
+    assert calls[-1] == ("pallas", None if bad else (64, None)), calls
+    assert (rows is None) == bad and y.shape == q.shape
+    assert len(fallbacks) == bad and (not bad or "FP8 epilogue" in str(fallbacks[0].message))
+  selfcheck.clear_memory()
