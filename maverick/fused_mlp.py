@@ -105,12 +105,15 @@ def _local(x, gate, up, down, s_gate, s_up, s_down, *, quant, kernels,
       xq, xs = pre
     else:
       xq, xs = k_lib._quantize_dynamic(x2, rows_up, ub, implementation)
-    (g, u), xs, (sg, su) = _partials(xq, (gate, up), xs, (s_gate, s_up), implementation)
-    hq, hs = quantize_lib.swiglu_quantize_rows(g, u, xs, sg, su, m=rows, rows_out=rows_down,
-                                               ub=ub, implementation=implementation)
-    y = gemm_lib.gemm(hq, down, hs, s_down, out_dtype=x2.dtype, implementation=implementation,
-                      keep_row_padding=keep_row_padding)
-    return y if keep_row_padding else y[:rows]
+    g, u = gemm_lib.gemm_many_partials(xq, (gate, up), xs, (s_gate, s_up),
+                                       implementation=implementation)
+    hq, hs = quantize_lib.swiglu_quantize_rows(g, u, m=rows, rows_out=rows_down, ub=ub,
+                                               implementation=implementation)
+    if keep_row_padding:  # the fused site sums the K split's partials (see kernels.linear)
+      return gemm_lib.gemm_many_partials(hq, (down,), hs, (s_down,), out_dtype=x2.dtype,
+                                         implementation=implementation)[0]
+    return gemm_lib.gemm(hq, down, hs, s_down, out_dtype=x2.dtype,
+                         implementation=implementation)[:rows]
 
   def make_args(rng):
     return (k_lib._normal(rng, x2.shape, x2.dtype),
@@ -130,9 +133,10 @@ def _local(x, gate, up, down, s_gate, s_up, s_down, *, quant, kernels,
   return y if keep_row_padding else y.reshape(*batch, d)
 
 
-def _partials(xq, ws, xs, w_scales, implementation):
-  """gate / up as `gemm_many_partials` gives them: (outputs, x_scale, w_scales), the scales
-  (None, None) when the outputs are finished."""
-  outs, xs_left, ws_left = gemm_lib.gemm_many_partials(xq, ws, xs, w_scales,
-                                                       implementation=implementation)
-  return outs, xs_left, (None, None) if ws_left is None else ws_left
+def local_partials(x, gate, up, down, s_gate, s_up, s_down, *, quant, kernels):
+  """Inside a shard_map (the sharded MoE's): the MLP's down product as a fused site takes it,
+  [S, R >= rows, D] (K-split partials, each scaled), or None where the kernels decline."""
+  if kernels == "xla" or not takes((s_gate, s_up, s_down), quant, (None,) * 3):
+    return None
+  return _local(x, gate, up, down, s_gate, s_up, s_down, quant=quant, kernels=kernels,
+                keep_row_padding=True)

@@ -364,8 +364,10 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
       sems = allreduce_norm.new_semaphores(math.prod(residual.shape[:-1]))
 
     def body(p, r, w, s):
+      p = tuple(t[0] for t in p)
       site = lambda r, quantize=None: allreduce_norm.allreduce_residual_norm(
-          p[0], r, w, eps, axes, implementation=implementation, semaphores=s, quantize=quantize)
+          p if len(p) > 1 else p[0], r, w, eps, axes, implementation=implementation,
+          semaphores=s, quantize=quantize)
       if not dequantized:
         return jnp.stack(site(site(r)[0]))
       _, _, q, scale = site(site(r)[0], quantize)
@@ -373,18 +375,21 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
     return jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P(), P()), out_specs=P(),
                          check_vma=False)(partials, residual, weight, sems)
 
-  def make_args(rng):
-    return (_normal(rng, (n, *partial.shape), allreduce_norm.PAYLOAD_DTYPE),
+  terms = tuple(partial) if isinstance(partial, (tuple, list)) else (partial,)
+
+  def make_args(rng):  # split-K partials come scaled (O(1) each), as the GEMM writes them
+    dtype = lambda t: t.dtype if t.dtype == jnp.float32 else allreduce_norm.PAYLOAD_DTYPE
+    return (tuple(_normal(rng, (n, *t.shape), dtype(t)) for t in terms),
             _normal(rng, residual.shape, residual.dtype),
             _positive(rng, weight.shape).astype(weight.dtype))
 
   probe = selfcheck.Probe(
-      "allreduce_norm", f"partial {_sig(partial)} over {n} devices + residual {_sig(residual)}",
-      f"{_sig(partial, residual, weight)} eps={eps} axes={axes}", make_args, run, PROBE_TOL)
+      "allreduce_norm", f"partial {_sig(*terms)} over {n} devices + residual {_sig(residual)}",
+      f"{_sig(*terms, residual, weight)} eps={eps} axes={axes}", make_args, run, PROBE_TOL)
   # The FP8 epilogue has a probe of its own (EPILOGUE_PROBE_TOL).
   fp8_probe = None if quantize is None else selfcheck.Probe(
       "allreduce_norm FP8 epilogue", f"{_sig(residual)} rows to e4m3 [{quantize[0]}, D]",
-      f"{_sig(partial, residual, weight)} eps={eps} axes={axes} quantize={quantize}", make_args,
+      f"{_sig(*terms, residual, weight)} eps={eps} axes={axes} quantize={quantize}", make_args,
       lambda implementation, *args: run(implementation, *args, dequantized=True),
       EPILOGUE_PROBE_TOL)
   if use_pallas(fuse.kernels, ok, probe) and (
@@ -548,8 +553,9 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
   logical axes as stored) on a sharded model: the GEMM runs per shard (`_sharded_linear`), and
   with `fuse` (a row-parallel site) returns (new residual, normed) (`xla(x, w, scale,
   input_scale)`: the XLA product, for shards the GEMM kernel declines). `keep_row_padding`: the
-  kernel's product comes back as [rows padded to its tile, N] (for the fused all-reduce + norm,
-  which reads the first rows; a slice would be a launch)."""
+  kernel's product comes back as [S, rows padded to its tile, N], S split-K partials (each
+  scaled; S = 1: the product) for the fused all-reduce + norm, which reads the first rows and
+  sums the partials (a slice, or XLA's sum, would be a launch)."""
   if kernels == "xla":
     return None
   if placement is not None:
@@ -586,9 +592,13 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
       x2, x_scale = pre
     elif quantize_x:
       x2, x_scale = _quantize_dynamic(x2, rows_out, quant.activation_scale_ub, implementation)
+    if keep_row_padding:  # for the fused site, which sums a K split's partials itself
+      return gemm_lib.gemm_many_partials(
+          x2, (w2,), x_scale, None if w_scale is None else (w_scale,), w_layout=layout,
+          out_dtype=out_dtype, implementation=implementation)[0]
     out = gemm_lib.gemm(x2, w2, x_scale, w_scale, w_layout=layout, out_dtype=out_dtype,
-                        implementation=implementation, keep_row_padding=keep_row_padding)
-    return out if keep_row_padding else out[:rows]
+                        implementation=implementation)
+    return out[:rows]
 
   def make_args(rng):
     return (_normal(rng, x2.shape, x2.dtype), _normal(rng, w2.shape, w2.dtype, 1 / math.sqrt(k)),
@@ -608,7 +618,7 @@ def linear(spec: str, x: jax.Array, w: jax.Array, scale, quant, kernels: str | N
 
 
 def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str | None, *,
-                scales=None, quant=None, input_scales=None):
+                scales=None, quant=None, input_scales=None, keep_row_padding: bool = False):
   """Routed experts through the grouped GEMM kernels, or None: assignments sorted by expert,
   gate/up + SwiGLU fused in one kernel, down in another. BF16 experts are read in the declared
   (E, in, out) layout; FP8 ones (`scales` = (gate, up, down) per-channel scales, all three set) in
@@ -617,7 +627,8 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   "static_per_tensor" mode (weight-only FP8 has no kernel). The fused gate/up kernel quantizes
   its input once, with the gate's scalar: ModelOpt stores one `gate_up_proj_input_scale` for both
   (the only source of static scales; the loader gives gate and up that one value). Decode too:
-  empty groups cost nothing, so there is no gather path."""
+  empty groups cost nothing, so there is no gather path. `keep_row_padding`: decode's rows come
+  back as the down kernel writes them, [rows padded to its tile, D] (for the fused site)."""
   if kernels == "xla":
     return None
   N, D = x_nd.shape
@@ -660,7 +671,7 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   by_row = N * k <= min(ROW_PATH_MAX_ROWS, E + 1)
 
   def run(implementation, x_rows, groups, gate, up, down, s_gate, s_up, s_down, si_gate,
-          si_down, pre=None):
+          si_down, pre=None, keep_row_padding=False):
     """groups: per-row expert ids (by_row) or group sizes of rows sorted by expert. `pre`: the
     gate/up input already quantized (e4m3 rows, scales) with the kernel's row tile."""
     where = dict(row_groups=groups) if by_row else dict(group_sizes=groups)
@@ -679,9 +690,10 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
                                     gate_scale=s_gate, up_scale=s_up, w_layout=layout,
                                     out_dtype=x_nd.dtype, implementation=implementation)
     hq, h_scale = rows_in(h, si_down, h.shape[0], implementation)
-    return grouped_gemm.grouped_matmul(hq, down, **where, x_scale=h_scale, w_scale=s_down,
-                                       w_layout=layout, out_dtype=x_nd.dtype,
-                                       implementation=implementation)[:rows]
+    out = grouped_gemm.grouped_matmul(hq, down, **where, x_scale=h_scale, w_scale=s_down,
+                                      w_layout=layout, out_dtype=x_nd.dtype,
+                                      implementation=implementation)
+    return out if keep_row_padding else out[:rows]
 
   def make_args(rng):
     if by_row:  # random experts per row, repeats and one past the last (another shard's)
@@ -709,7 +721,7 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
     pre = _score_scaled_rows(x_nd, scores, quant) if fp8 and not static and k == 1 else None
     x_rows = x_rows * scores.reshape(-1)[:, None]
     y = run("pallas", x_rows, top_idx.reshape(-1).astype(jnp.int32), gate_edf, up_edf, down_efd,
-            s_gate, s_up, s_down, si_gate, si_down, pre)
+            s_gate, s_up, s_down, si_gate, si_down, pre, keep_row_padding and k == 1)
     if k == 1:
       return y
     return y.astype(jnp.float32).reshape(N, k, D).sum(1).astype(x_nd.dtype)

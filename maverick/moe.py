@@ -137,7 +137,8 @@ def _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd):
 
 def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf: jax.Array,
                 up_edf: jax.Array, down_efd: jax.Array, *, impl: str = "tiles", scales=None,
-                quant=None, kernels: str | None = "xla", input_scales=None) -> jax.Array:
+                quant=None, kernels: str | None = "xla", input_scales=None,
+                keep_row_padding: bool = False) -> jax.Array:
   """Sum over the k chosen experts of Expert_e(score * x) (the score scales the expert INPUT).
 
   The weights are named by their declared layout (gate/up [E,D,F], down [E,F,D]); an FP8 one is
@@ -149,7 +150,8 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
 
   With at most one assignment per expert on average (decode and verification steps) the chosen
   weights are gathered; otherwise tokens are sorted by expert for a grouped matmul (`impl`).
-  `kernels` (see maverick.kernels): the Pallas grouped GEMM kernels, BF16 or FP8 experts."""
+  `kernels` (see maverick.kernels): the Pallas grouped GEMM kernels, BF16 or FP8 experts.
+  `keep_row_padding`: the kernels' [R >= N, D] rows may come back unsliced (for the fused site)."""
   N, D = x_nd.shape
   k = top_idx.shape[-1]
   E = gate_edf.shape[0]
@@ -158,7 +160,8 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   if kernels != "xla":
     y = kernels_lib.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels,
                                 scales=scales if quantized else None, quant=quant,
-                                input_scales=input_scales if static else None)
+                                input_scales=input_scales if static else None,
+                                keep_row_padding=keep_row_padding)
     if y is not None:
       return y
   if quantized:
@@ -290,8 +293,20 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
       gathered = impl == "tiles" and x.shape[0] * top_k <= e_local
       top_idx = jnp.where(mine, idx, 0 if gathered else e_local)
       scores = jnp.where(mine, scores, jnp.zeros_like(scores))
+    # The fused site takes the routed and the shared expert's products as two terms as the
+    # kernels leave them (tile-padded rows, the shared down's K-split partials): no XLA add.
+    terms = fuse is not None and ex is None
     y = moe_experts(x, top_idx, scores, gate, up, down, impl=impl, scales=e_scales,
-                    quant=quant, kernels=kernels, input_scales=e_in)
+                    quant=quant, kernels=kernels, input_scales=e_in, keep_row_padding=terms)
+    shared_partials = None
+    if terms and fused_mlp.takes(s_scales, quant, s_in) and y.shape[0] >= x.shape[0]:
+      shared_partials = fused_mlp.local_partials(x, sg, su, sd, *s_scales, quant=quant,
+                                                 kernels=kernels)
+    if shared_partials is not None:
+      r, w, sems = fused_in
+      return kernels_lib.fused_allreduce_norm((shared_partials, y), r, w, fuse, reduce_axes,
+                                              plan.mesh, semaphores=sems)
+    y = y[:x.shape[0]]
     if dp_experts:  # own rows, summed over expert shards; the shared expert on own rows only
       y = jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True)
       s = swiglu(x_own, sg, su, sd, s_scales, quant, kernels, input_scales=s_in)

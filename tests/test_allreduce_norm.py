@@ -225,6 +225,50 @@ def test_fp8_epilogue_has_its_own_self_check(monkeypatch, tmp_path):
   selfcheck.clear_memory()
 
 
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_split_k_partials_and_a_second_term_are_summed_in_f32(implementation):
+  """Terms as a MoE layer's last site has them: the shared expert's down GEMM split in 3 along K
+  (f32 partials [3, R, D], each scaled) and the routed experts' bf16 product [R, D]; rows past
+  the residual's (NaN) unread; the f32 partials summed unrounded (float64 reference)."""
+  rng = np.random.default_rng(5)
+  r = _bf16(rng, 1, 3, 256, scale=3.0)
+  w = jnp.asarray(rng.uniform(0.5, 2.0, 256), BF16)
+  split = rng.standard_normal((3, 8, 256)).astype(np.float32) / 3
+  split[:, 3:] = np.nan
+  routed = np.asarray(_bf16(rng, 8, 256), np.float32)
+  routed[3:] = np.nan
+  terms = (jnp.asarray(split), jnp.asarray(routed, BF16))
+  with pallas_kernels.interpret():
+    h, y = api.residual_norm(terms, r, w, EPS, implementation=implementation)
+  summed = (np.asarray(split, np.float64).sum(0) + np.asarray(routed, np.float64))[:3]
+  h_ref, y_ref = _numpy_residual_norm(summed.reshape(r.shape), r, w, EPS)
+  assert h.shape == y.shape == r.shape
+  _close(h, h_ref)
+  _close(y, y_ref)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_split_k_terms_lower_inside_shard_map_at_tp8_shard_shape(arch):
+  """The TP8 MoE site: the shared expert's down partials enter the kernel as f32 [2, 64, 5120]
+  and the routed product as bf16 [64, 5120], no XLA fusion before it: one Mosaic GPU call."""
+  mesh = sharding.make_mesh(tensor=8)
+  S = jax.ShapeDtypeStruct
+
+  def f(p, routed, r, w):
+    body = lambda p, routed, r, w: allreduce_norm.allreduce_residual_norm(
+        (p[0], routed[0]), r, w, EPS, mesh.axis_names, implementation="pallas")
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("tensor"), P("tensor"), P(), P()),
+                         out_specs=(P(), P()), check_vma=False)(p, routed, r, w)
+
+  on = lambda spec: NamedSharding(mesh, spec)
+  hlo = pallas_kernels.lower_for_gpu(
+      f, S((8, 2, 64, 5120), jnp.float32, sharding=on(P("tensor"))),
+      S((8, 64, 5120), BF16, sharding=on(P("tensor"))), S((1, 5120), BF16), S((5120,), BF16),
+      arch=arch)
+  assert hlo.count("@mosaic_gpu_v2(") == 1
+  assert "tensor<2x64x5120xf32>" in hlo and "tensor<64x5120xbf16>" in hlo
+
+
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_kernel_lowers_inside_shard_map_at_tp8_shard_shape(arch):
   """Maverick TP8 decode / verify rows (B x (K + 1) = 4 x 4) of D = 5120, f32 partials: one
@@ -487,11 +531,11 @@ def test_tp8_draft_embedding_lookup_fuses_and_matches_xla(reference_kernels):
   rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
   assert rel < 2e-2 and np.mean(out.argmax(-1) == ref.argmax(-1)) >= 0.95, rel
   # (residual, impl): the partial is the residual's shape, or (o, down) the GEMM's rows as it
-  # padded them to its tile: [R >= B * T, D].
+  # padded them to its tile, with its K split: [S, R >= B * T, D].
   fused = [(s[1], impl) for name, s, _, impl in reference_kernels
            if name == "allreduce_residual_norm"]
   assert fused == [((B, T, D), "pallas")] * 3, fused
-  assert all(s[0] == s[1] or (len(s[0]) == 2 and s[0][0] >= B * T and s[0][1] == D)
+  assert all(s[0] == s[1] or (len(s[0]) == 3 and s[0][1] >= B * T and s[0][2] == D)
              for name, s, _, _ in reference_kernels if name == "allreduce_residual_norm")
   assert _all_reduces(hlo) == 3, _all_reduces(hlo)
 

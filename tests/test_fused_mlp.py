@@ -177,3 +177,35 @@ def test_tp8_mlp_runs_one_shard_map_of_local_kernels(reference_kernels):
     # The einsum path quantizes silu(g) * u per whole row (GSPMD), the shards per slice: two FP8
     # roundings of the same product, each ~2**-4 per element (~3 % apart measured).
     assert _rel(got.astype(jnp.float32), want.astype(jnp.float32)) < 0.1
+
+
+@pytest.mark.slow
+def test_tp8_moe_site_takes_the_routed_and_shared_products_as_two_terms(reference_kernels,
+                                                                         monkeypatch):
+  """The MoE layer's fused site sums the routed experts' rows and the shared expert's down
+  product itself (two terms, no XLA add): its call gets both, and prefill and decode logits
+  equal the run where the layer adds them first (the same bf16 products summed in f32 and
+  rounded once either way). Entries run their XLA references (see above)."""
+  from test_sharded_kernels import _prefill_then_decode
+  model = _tp8_fp8_model()
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 512, (2, 12)), jnp.int32)
+
+  def run():
+    jax.clear_caches()
+    with pallas_kernels.interpret():
+      kernels_lib.set_kernels(model, "pallas")
+      out = _prefill_then_decode(model, tokens)
+    terms = [len(shapes) for name, shapes, *_ in reference_kernels
+             if name == "allreduce_residual_norm"]
+    reference_kernels.clear()
+    return out, terms
+
+  (prefill, step), terms = run()
+  with monkeypatch.context() as m:
+    m.setattr(fused_mlp, "local_partials", lambda *a, **k: None)
+    (prefill0, step0), terms0 = run()
+  # (partials..., residual, weight[, semaphores]): the MoE site (1 of 5 per forward) has one more.
+  assert sorted(set(terms)) == [min(terms), min(terms) + 1] and set(terms0) == {min(terms)}
+  assert terms.count(min(terms) + 1) == 2, terms  # the MoE layer's site, prefill and decode
+  np.testing.assert_array_equal(prefill, prefill0)
+  np.testing.assert_array_equal(step, step0)

@@ -51,10 +51,11 @@ _ENTRY_POINTS = [(gemm, "gemm"), (gemm, "gemm_many"), (grouped_gemm, "grouped_sw
                  (grouped_gemm, "grouped_matmul"), (prefill_attention, "prefill_attention"),
                  (decode_attention, "decode_attention"),
                  (allreduce_norm, "allreduce_residual_norm"),
+                 # the fused sites' o / down (their K-split partials, summed by the site):
+                 (gemm, "gemm_many_partials"),
                  # FP8 models only (maverick.fused_mlp, the per-token quantization):
-                 (gemm, "gemm_many_partials"), (quantize_rows, "swiglu_quantize_rows"),
-                 (quantize_rows, "quantize_rows")]
-FP8_ONLY = {"gemm_many_partials", "swiglu_quantize_rows", "quantize_rows"}
+                 (quantize_rows, "swiglu_quantize_rows"), (quantize_rows, "quantize_rows")]
+FP8_ONLY = {"swiglu_quantize_rows", "quantize_rows"}
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def reference_kernels(monkeypatch):
 
     def ref(*args, _original=original, _name=name, **kw):
       seen.append((_name, tuple(a.shape for a in jax.tree.leaves(args) if hasattr(a, "shape")),
-                   args[0].dtype,
+                   jax.tree.leaves(args)[0].dtype,
                    kw.get("implementation")))
       return _original(*args, **dict(kw, implementation="xla"))
     monkeypatch.setattr(module, name, ref)
@@ -124,8 +125,9 @@ def test_kernel_path_matches_sharded_xla(reference_kernels, layout, mesh_kw, loc
   assert {s[1] for s in calls["grouped_swiglu"]} == {(e, 128, f)}
   assert {s[1] for s in calls["grouped_matmul"]} == {(e, f, 128)}
   # q/k/v (h heads of 64) and MLP/shared gate/up in one launch each (gemm_many: x, then the
-  # weights), o/down: K or N is the local slice.
-  gemm_weights = {s[1] for s in calls["gemm"]} | {w for s in calls["gemm_many"] for w in s[1:]}
+  # weights), o/down (gemm_many_partials at the fused sites): K or N is the local slice.
+  gemm_weights = ({s[1] for s in calls["gemm"]} | {s[1] for s in calls["gemm_many_partials"]}
+                  | {w for s in calls["gemm_many"] for w in s[1:]})
   assert {len(s) for s in calls["gemm_many"]} == {3, 4}, calls["gemm_many"]  # gate/up; q/k/v
   assert (128, h * 64) in gemm_weights and (h * 64, 128) in gemm_weights, gemm_weights
   assert all(128 in w and max(w) == 128 for w in gemm_weights), gemm_weights

@@ -231,6 +231,7 @@ def test_sharded_modelopt_model_kernel_path(aligned, model_f32, reference_kernel
     got = np.asarray(model_lib.apply(*nnx.split(sharded), tokens).logits)
   np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)
   fp8 = [(name, shapes) for name, shapes, dtype, *_ in reference_kernels if dtype == quant.FP8]
-  assert {n for n, _ in fp8} == {"gemm", "grouped_swiglu", "grouped_matmul"}, fp8
+  assert {n for n, _ in fp8} == {"gemm", "gemm_many_partials", "grouped_swiglu",
+                                 "grouped_matmul"}, fp8
   # Local shapes: the experts' width split over tensor=2 (256 -> 128).
   assert {s[1] for n, s in fp8 if n == "grouped_swiglu"} == {(8, 128, 128)}, fp8

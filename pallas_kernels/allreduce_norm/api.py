@@ -27,16 +27,28 @@ PAYLOAD_DTYPE = reference.PAYLOAD_DTYPE
 MAX_ROWS = 1024
 
 
-def _validate(x, residual, weight):
+def _terms(partial) -> tuple:
+  return tuple(partial) if isinstance(partial, (tuple, list)) else (partial,)
+
+
+def _validate(partial, residual, weight):
   rows = math.prod(residual.shape[:-1])
-  padded = x.ndim == 2 and x.shape[0] >= rows and x.shape[1:] == residual.shape[-1:]
-  check(residual.ndim >= 1 and (x.shape == residual.shape or padded),
-        f"allreduce_residual_norm: partial {x.shape} and residual {residual.shape} must have the "
-        f"same shape [..., D] (or partial [R >= {rows}, D]: a GEMM's tile-padded rows)")
+  terms = _terms(partial)
+  check(residual.ndim >= 1 and len(terms) >= 1,
+        f"allreduce_residual_norm: residual {residual.shape}; pass at least one partial term")
+  for x in terms:
+    # [S, R, D] equal to a 3-D residual's shape means S = 1 (R >= rows): either reading agrees.
+    padded = x.ndim in (2, 3) and x.shape[-2] >= rows and x.shape[-1:] == residual.shape[-1:]
+    check(x.shape == residual.shape or padded,
+          f"allreduce_residual_norm: partial {x.shape} and residual {residual.shape} must have "
+          f"the same shape [..., D] (or partial [R >= {rows}, D]: a GEMM's tile-padded rows, or "
+          f"[S, R, D]: its S split-K partials, scaled)")
+    check(jnp.issubdtype(x.dtype, jnp.floating),
+          f"allreduce_residual_norm: partial has dtype {x.dtype}; it must be a float")
   check(weight.shape == residual.shape[-1:],
         f"allreduce_residual_norm: weight has shape {weight.shape}; it must be the norm's [D] = "
         f"{residual.shape[-1:]}")
-  for name, a in (("partial", x), ("residual", residual), ("weight", weight)):
+  for name, a in (("residual", residual), ("weight", weight)):
     check(jnp.issubdtype(a.dtype, jnp.floating),
           f"allreduce_residual_norm: {name} has dtype {a.dtype}; it must be a float")
 
@@ -53,11 +65,15 @@ def pallas_support(shape, residual_dtype, weight_dtype) -> tuple[bool, str]:
   return True, ""
 
 
-def _flat(fn, x, residual, weight):
+def _flat(fn, partial, residual, weight):
   """The kernel on [rows, D]; a row-padded partial goes in as it is (the kernel reads the first
-  `rows`: slicing it would be a launch of its own). The quantized rows, if any, stay flat."""
+  `rows`: slicing it would be a launch of its own), split-K partials [S, R, D] too, in f32
+  (rounding them would be a launch). The quantized rows, if any, stay flat."""
   d = residual.shape[-1]
-  h, y, *quantized = fn(x.reshape(-1, d).astype(PAYLOAD_DTYPE), residual.reshape(-1, d), weight)
+  def term(x):
+    return x if reference.is_split(x, residual) else x.reshape(-1, d).astype(PAYLOAD_DTYPE)
+
+  h, y, *quantized = fn(tuple(term(x) for x in _terms(partial)), residual.reshape(-1, d), weight)
   return (h.reshape(residual.shape), y.reshape(residual.shape), *quantized)
 
 
@@ -79,17 +95,11 @@ def _with_quantized(out, quantize):
   return h, y, q, s
 
 
-def _unpadded(x, residual):
-  """A row-padded partial [R, D] cut to the residual's rows and shape (the XLA path)."""
-  if x.shape == residual.shape:
-    return x
-  return x[:math.prod(residual.shape[:-1])].reshape(residual.shape)
-
-
 def residual_norm(summed, residual, weight, eps: float, *, implementation: str | None = None,
                   quantize=None):
   """(residual + summed, RMSNorm of it times `weight`) on one device. `summed`: [..., D] like
-  the residual, or [R, D] with R >= its rows (a GEMM's tile-padded output; the rest ignored).
+  the residual, or [R, D] with R >= its rows (a GEMM's tile-padded output; the rest ignored), or
+  split-K partials / a tuple of terms as `allreduce_residual_norm` takes them.
   `quantize` (rows_out, ub): also the normed rows quantized for an FP8 GEMM, as
   `pallas_kernels.quantize_rows(normed rows, rows_out, ub)`: (..., e4m3 [rows_out, D], f32
   scales [rows_out])."""
@@ -98,8 +108,7 @@ def residual_norm(summed, residual, weight, eps: float, *, implementation: str |
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
     return _with_quantized(reference.residual_norm(
-        _unpadded(summed, residual).astype(reference.payload_dtype(residual.dtype)), residual,
-        weight, eps), quantize)
+        reference.local_sum(_terms(summed), residual), residual, weight, eps), quantize)
   return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, quantize=quantize), summed, residual,
                weight)
 
@@ -112,7 +121,9 @@ def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
                             implementation: str | None = None, semaphores=None, quantize=None):
   """Inside shard_map: (residual + psum(partial) over `axis_name`, its RMSNorm times `weight`).
   `partial` [..., D]: this device's row-parallel partial sums (any float dtype; sent in the
-  residual's dtype), or [R, D] with R >= the residual's rows (a GEMM's tile-padded output);
+  residual's dtype), or [R, D] with R >= the residual's rows (a GEMM's tile-padded output), or
+  [S, R, D] (a K-split GEMM's S f32 partials, each scaled: summed, sent in f32), or a tuple of
+  such terms, summed (the routed and the shared experts' outputs of a MoE layer);
   `residual` [..., D] and `weight` [D]: replicated over `axis_name`. The kernel's multimem load
   reduces over every axis of the mesh, so `axis_name` must name all of them (the others of size
   1 may be left out by the caller's plan: see maverick.kernels.allreduce_norm_axes).
@@ -130,7 +141,7 @@ def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
     return _with_quantized(reference.allreduce_residual_norm(
-        _unpadded(partial, residual), residual, weight, eps, axis_name), quantize)
+        _terms(partial), residual, weight, eps, axis_name), quantize)
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   n = math.prod(lax.axis_size(a) for a in axes)
   return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, collective_axes=axes, num_devices=n,

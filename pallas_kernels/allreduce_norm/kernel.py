@@ -42,9 +42,15 @@ VEC_SIZES = (8, 4, 2)
 WARPGROUP = 128
 
 
-def vec_size(d: int) -> int | None:
-  """The widest vector that tiles a row of `d` over one warpgroup, or None."""
-  return next((v for v in VEC_SIZES if d % (WARPGROUP * v) == 0), None)
+def vec_size(d: int, widest: int = VEC_SIZES[0]) -> int | None:
+  """The widest vector (of at most `widest`) that tiles a row of `d` over one warpgroup."""
+  return next((v for v in VEC_SIZES if v <= widest and d % (WARPGROUP * v) == 0), None)
+
+
+def row_vec_size(partials, d: int) -> int | None:
+  """The vector of a row that takes every term: 16 B loads, so 4 elements with an f32 term."""
+  wide = max(jnp.dtype(p.dtype).itemsize for p in partials)
+  return vec_size(d, 16 // wide)
 
 
 def shared_semaphores_supported() -> bool:
@@ -61,30 +67,35 @@ def new_semaphores(rows: int):
   return plgpu.alloc_semaphore((2 * rows,))
 
 
-def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_devices: int = 1,
+def fused(partials, residual, weight, eps: float, *, collective_axes=None, num_devices: int = 1,
           semaphores=None, quantize: tuple[int, float | None] | None = None):
-  """(new residual, normed), both [M, D] in residual.dtype; `partial` [R >= M, D] (rows past M
-  are not read: a GEMM's tile padding needs no slice). `collective_axes`: the mesh axes the
+  """(new residual, normed), both [M, D] in residual.dtype, of the sum of `partials`: terms
+  [R >= M, D] (rows past M are not read: a GEMM's tile padding needs no slice) or [S, R, D] (a
+  GEMM's S split-K f32 partials, each scaled: their sum is its product), each reduced over the
+  devices and summed in f32 (so a K-split GEMM's sum, and a second term such as the routed
+  experts beside the shared one, need no XLA fusion before the kernel). `collective_axes`: the
   multimem load reduces over (inside shard_map; `num_devices` devices in all), or None for the
-  single-device body (`partial` already summed). `semaphores`: a buffer from `new_semaphores(M)`
+  single-device body (`partials` already summed over the devices). `semaphores`: a buffer from `new_semaphores(M)`
   shared with other fused kernels (zero between them), or None for the kernel's own.
   `quantize` (rows_out >= M, ub): also the normed rows in e4m3 [rows_out, D] with their f32
   scales [rows_out], exactly as pallas_kernels.quantize_rows quantizes them (per row, max |y|
   floored at 1/512 and capped at ub, to 448; rows M.. zero rows): the next GEMM's FP8 input
   without a quantize launch of its own. The row is in registers already, so its max is one more
   warpgroup reduction."""
+  partials = tuple(partials)
   m, d = residual.shape
   rows_out = m if quantize is None else quantize[0]
   ub = None if quantize is None else quantize[1]
-  vec = vec_size(d)
-  layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
+  layout = plgpu.Layout.WG_STRIDED((d,), vec_size=row_vec_size(partials, d))
   multimem = collective_axes is not None
 
   shared = multimem and semaphores is not None
 
-  def body(x_ref, r_ref, w_ref, *refs):
+  def body(*refs):
     common.pdl_prologue()
     row = lax.axis_index("rows")
+    n = len(partials)
+    x_refs, (r_ref, w_ref), refs = refs[:n], refs[n:n + 2], refs[n + 2:]
     if shared:
       sem_ref, *refs = refs
     outs, sems = refs[:4 if quantize else 2], refs[4 if quantize else 2:]
@@ -93,12 +104,12 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
     if shared:
       sems = (sem_ref.at[2 * row], sem_ref.at[2 * row + 1])
     if quantize is None:
-      row_body(row, x_ref, r_ref, w_ref, h_ref, y_ref, None, None, *sems)
+      row_body(row, x_refs, r_ref, w_ref, h_ref, y_ref, None, None, *sems)
       return
 
     @pl.when(row < m)
     def _():
-      row_body(row, x_ref, r_ref, w_ref, h_ref, y_ref, q_ref, s_ref, *sems)
+      row_body(row, x_refs, r_ref, w_ref, h_ref, y_ref, q_ref, s_ref, *sems)
 
     @pl.when(row >= m)
     def _():  # the GEMM's tile padding: what quantizing a zero row gives
@@ -106,18 +117,24 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
       q_ref[row] = zero.astype(q_ref.dtype)
       s_ref[row] = quantize_kernel.row_scale(jnp.float32(0.0), ub)
 
-  def row_body(row, x_ref, r_ref, w_ref, h_ref, y_ref, q_ref, s_ref, *sems):
+  def row_body(row, x_refs, r_ref, w_ref, h_ref, y_ref, q_ref, s_ref, *sems):
     if multimem:
       ready, done = sems
       plgpu.semaphore_signal_multicast(ready, collective_axes=collective_axes)
       pl.semaphore_wait(ready, num_devices)
-      s = plgpu.layout_cast(
-          plgpu.multimem_load_reduce(x_ref.at[row], collective_axes=collective_axes,
-                                     reduction_op="add"), layout)
-    else:
-      s = plgpu.layout_cast(x_ref[row], layout)
+    total = None
+    for x_ref, p in zip(x_refs, partials):
+      for view in ([x_ref.at[k, row] for k in range(p.shape[0])] if p.ndim == 3
+                   else [x_ref.at[row]]):
+        if multimem:
+          v = plgpu.multimem_load_reduce(view, collective_axes=collective_axes,
+                                         reduction_op="add")
+        else:
+          v = view[...]
+        v = plgpu.layout_cast(v, layout).astype(jnp.float32)
+        total = v if total is None else total + v
     r = plgpu.layout_cast(r_ref[row], layout)
-    h = (r.astype(jnp.float32) + s.astype(jnp.float32)).astype(h_ref.dtype)
+    h = (r.astype(jnp.float32) + total).astype(h_ref.dtype)
     hf = h.astype(jnp.float32)
     inv = lax.rsqrt(jnp.sum(hf * hf) * (1.0 / d) + eps)
     w = plgpu.layout_cast(w_ref[...], layout)
@@ -139,6 +156,6 @@ def fused(partial, residual, weight, eps: float, *, collective_axes=None, num_de
     out_types += (jax.ShapeDtypeStruct((rows_out, d), FP8),
                   jax.ShapeDtypeStruct((rows_out,), jnp.float32))
   sems = [plgpu.SemaphoreType.REGULAR] * 2 if multimem and not shared else []
-  args = (partial, residual, weight) + ((semaphores,) if shared else ())
+  args = (*partials, residual, weight) + ((semaphores,) if shared else ())
   return plgpu.kernel(body, out_type=out_types, grid=(rows_out,), grid_names=("rows",),
                       scratch_types=sems)(*args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -24,7 +26,31 @@ def payload_dtype(residual_dtype):
   return jnp.dtype(residual_dtype)
 
 
+def is_split(term, residual) -> bool:
+  """Whether a partial term is a K-split GEMM's [S, R, D] partials (not [..., D] like the
+  residual, nor [R, D] row padded)."""
+  return term.ndim == 3 and term.shape != residual.shape
+
+
+def local_sum(terms, residual):
+  """This device's payload: the terms summed in f32 and cut to the residual's rows, in the
+  payload dtype; in f32 when a K split's f32 partials are among them (the kernel sums those in
+  f32 and never rounds them)."""
+  rows, d = math.prod(residual.shape[:-1]), residual.shape[-1]
+  total, wide = 0, False
+  for t in terms:
+    split = is_split(t, residual)
+    wide |= split and jnp.dtype(t.dtype) == jnp.float32
+    t = t.astype(jnp.float32)
+    t = t.sum(0) if split else t.reshape(-1, d)
+    total = total + t[:rows]
+  dtype = jnp.float32 if wide else payload_dtype(residual.dtype)
+  return total.reshape(residual.shape).astype(dtype)
+
+
 def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name):
-  """Inside shard_map: the partial sums all-reduced over `axis_name` as the payload dtype."""
-  summed = jax.lax.psum(partial.astype(payload_dtype(residual.dtype)), axis_name)
+  """Inside shard_map: the partial sums (one array, or a tuple of terms: `local_sum`)
+  all-reduced over `axis_name` as the payload."""
+  terms = partial if isinstance(partial, (tuple, list)) else (partial,)
+  summed = jax.lax.psum(local_sum(terms, residual), axis_name)
   return residual_norm(summed, residual, weight, eps)

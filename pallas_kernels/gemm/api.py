@@ -16,7 +16,7 @@ from pallas_kernels.gemm import reference, sm90, sm100
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 BF16 = jnp.dtype(jnp.bfloat16)
-_KERNELS = {arch: common.lowered_once(m.gemm_many, ("cfg", "out_dtype"))
+_KERNELS = {arch: common.lowered_once(m.gemm_many, ("cfg", "out_dtype", "scale_partials"))
             for arch, m in (("sm90", sm90), ("sm100", sm100))}
 TILE_K_BYTES = plan_lib.TILE_K_BYTES
 
@@ -110,12 +110,11 @@ def gemm_many(x: jax.Array, ws, x_scale: jax.Array | None = None, w_scales=None,
 
 def gemm_many_partials(x: jax.Array, ws, x_scale: jax.Array | None = None, w_scales=None, *,
                        out_dtype=jnp.bfloat16, w_layout: str = "nk",
-                       implementation: str | None = None):
-  """`gemm_many` for a consumer kernel that finishes the products itself (a split-K sum fused
-  into its prologue, not an XLA fusion of its own): (outputs [S, R >= M, N] each, x_scale [R],
-  w_scales) where the products are the sums over S times x_scale[:, None] * w_scale, rounded to
-  out_dtype (`pallas_kernels.quantize_rows.reference.combine_partials`); the scales are None
-  where the outputs are finished already (S = 1, and always on the XLA path)."""
+                       implementation: str | None = None) -> tuple[jax.Array, ...]:
+  """`gemm_many` for a consumer kernel that sums a K split itself (in its prologue, where XLA
+  would take a fusion of its own): per weight [S, R >= M, N] whose sum over S is the product
+  (rows past M padding): the kernel's S f32 partials, each scaled in its epilogue, or S = 1 and
+  the finished out_dtype product (no split, and always on the XLA path)."""
   return _gemm_many(x, ws, x_scale, w_scales, out_dtype=out_dtype, w_layout=w_layout,
                     implementation=implementation, partials=True)
 
@@ -153,7 +152,7 @@ def _gemm_many(x, ws, x_scale, w_scales, *, out_dtype, w_layout, implementation,
     outs = tuple(
         finish(reference.gemm(x2, v if w_layout == "nk" else v.T, xs, s, out_dtype=out_dtype), n)
         for v, s, n in zip(ws, wss, ns))
-    return (tuple(o.reshape(1, m, -1) for o in outs), None, None) if partials else outs
+    return tuple(o.reshape(1, m, -1) for o in outs) if partials else outs
   if m == 0:
     return tuple(jnp.zeros((0, n) if keep_row_padding else (*lead, n), out_dtype) for n in ns)
   cfg = plan.config
@@ -165,11 +164,9 @@ def _gemm_many(x, ws, x_scale, w_scales, *, out_dtype, w_layout, implementation,
     x2 = jnp.pad(x2, ((0, m_pad - m), (0, 0)))
     xs = None if xs is None else jnp.pad(xs, (0, m_pad - m))
   outs = _KERNELS[arch](x2, ws, xs, None if xs is None else tuple(wss), cfg=cfg,
-                        out_dtype=out_dtype)
+                        out_dtype=out_dtype, scale_partials=partials)
   if partials:
-    if cfg.k_splits > 1:
-      return outs, xs, None if xs is None else tuple(wss)
-    return tuple(o[None] for o in outs), None, None
+    return outs if cfg.k_splits > 1 else tuple(o[None] for o in outs)
   results = []
   for out, s, n in zip(outs, wss, ns):
     if cfg.k_splits > 1:  # f32 partials: reduce, then the epilogue XLA fuses into the reduction

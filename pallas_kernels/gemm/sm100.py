@@ -155,13 +155,16 @@ def gemm(x, w, x_scale, w_scale, *, cfg: Config, out_dtype) -> jax.Array:
                    out_dtype=out_dtype)[0]
 
 
-def gemm_many(x, ws, x_scale, w_scales, *, cfg: Config, out_dtype) -> tuple[jax.Array, ...]:
+def gemm_many(x, ws, x_scale, w_scales, *, cfg: Config, out_dtype,
+              scale_partials: bool = False) -> tuple[jax.Array, ...]:
   """Same contract as sm90.gemm_many (`cfg` from `config_for`)."""
   m_pad, _ = x.shape
   w = ws[0]
   out_type = out_types(m_pad, [_n_of(v, cfg) for v in ws], cfg, out_dtype)
-  if cfg.k_splits > 1:
-    out_dtype, x_scale, w_scales = jnp.float32, None, None
+  if cfg.k_splits > 1:  # f32 partials, the scales applied to each (a linear map) or after
+    out_dtype = jnp.float32
+    if not scale_partials:
+      x_scale, w_scales = None, None
   tn, tk = cfg.tile_n, cfg.tile_k
   epi_n = epilogue_n(tn)
   in_tf = _transforms(tk, x.dtype)

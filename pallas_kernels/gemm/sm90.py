@@ -184,13 +184,18 @@ def out_types(m_pad: int, ns, cfg: Config, out_dtype):
   return tuple(jax.ShapeDtypeStruct((m_pad, n), out_dtype) for n in ns)
 
 
-def gemm_many(x, ws, x_scale, w_scales, *, cfg: Config, out_dtype) -> tuple[jax.Array, ...]:
+def gemm_many(x, ws, x_scale, w_scales, *, cfg: Config, out_dtype,
+              scale_partials: bool = False) -> tuple[jax.Array, ...]:
   """`gemm` of one x with each weight of `ws` (every N a multiple of cfg.cta_n), in one launch:
-  a tuple of outputs; `w_scales` a tuple like `ws` (with x_scale), or None."""
+  a tuple of outputs; `w_scales` a tuple like `ws` (with x_scale), or None. With a K split the
+  outputs are f32 partials [k_splits, M_pad, N]: unscaled, or with `scale_partials` each scaled
+  in the epilogue (their sum is then the finished product, for a consumer that sums them)."""
   m_pad, _ = x.shape
   out_type = out_types(m_pad, [_n_of(w, cfg) for w in ws], cfg, out_dtype)
-  if cfg.k_splits > 1:
-    out_dtype, x_scale, w_scales = jnp.float32, None, None
+  if cfg.k_splits > 1:  # f32 partials, the scales applied to each (a linear map) or after
+    out_dtype = jnp.float32
+    if not scale_partials:
+      x_scale, w_scales = None, None
   body = functools.partial(_body, cfg=cfg, out_dtype=out_dtype, num_w=len(ws))
   kernel = plgpu.kernel(
       body,

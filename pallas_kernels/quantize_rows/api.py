@@ -51,8 +51,9 @@ def swiglu_quantize_rows(gate, up, x_scale=None, gate_scale=None, up_scale=None,
                          rows_out: int, ub: float | None = None,
                          implementation: str | None = None):
   """The FP8 input of an MLP's down projection straight from its gate / up GEMM outputs:
-  gate, up [S, R >= m, N] (S split-K f32 partials, unscaled; or S = 1 and the finished product),
-  x_scale [R] and gate_scale / up_scale [N] the GEMM's epilogue scales (all or none) ->
+  gate, up [S, R >= m, N] (S split-K f32 partials, or S = 1 and the finished product), with
+  x_scale [R] and gate_scale / up_scale [N] the GEMM's epilogue scales still to apply (all or
+  none: `gemm.gemm_many_partials` scales each partial itself) ->
   (e4m3 [rows_out, N], f32 scales [rows_out]) = quantize_rows(silu(g) * u) of the first m rows
   with g, u the bf16 products (`reference.swiglu_quantize_rows`), in one launch."""
   check(gate.ndim == 3 and up.shape == gate.shape,
