@@ -669,11 +669,19 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   # per-row schedule), so no sort by expert, no gather and no scatter-add back: ~10 fewer
   # launches per MoE layer. Prefill sorts rows by expert: one tile per expert block.
   by_row = N * k <= min(ROW_PATH_MAX_ROWS, E + 1)
+  # Top-1 FP8 rows per token without a cap: the SwiGLU kernel applies the router's score to its
+  # products (`row_weights`), so x goes in unscaled: per-token quantization commutes with a
+  # positive row factor, q(x * s) = q(x) with its scale times s, and the rows the fused site
+  # before already quantized (the shared expert's input, `quantized_rows`) serve as they are.
+  # (A cap would clip x where it clips x * s.) Saves the score multiply's launch.
+  weighted = (by_row and k == 1 and fp8 and not static
+              and quant.activation_scale_ub is None)
 
   def run(implementation, x_rows, groups, gate, up, down, s_gate, s_up, s_down, si_gate,
-          si_down, pre=None, keep_row_padding=False):
+          si_down, row_weights=None, pre=None, keep_row_padding=False):
     """groups: per-row expert ids (by_row) or group sizes of rows sorted by expert. `pre`: the
-    gate/up input already quantized (e4m3 rows, scales) with the kernel's row tile."""
+    gate/up input already quantized (e4m3 rows, scales) with the kernel's row tile.
+    `row_weights`: the scores the SwiGLU kernel applies (`weighted`)."""
     where = dict(row_groups=groups) if by_row else dict(group_sizes=groups)
     rows = rows_out = x_rows.shape[0]
     if by_row:
@@ -688,7 +696,8 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
       xq, x_scale = rows_in(x_rows, si_gate, rows_out, implementation)
     h = grouped_gemm.grouped_swiglu(xq, gate, up, **where, x_scale=x_scale,
                                     gate_scale=s_gate, up_scale=s_up, w_layout=layout,
-                                    out_dtype=x_nd.dtype, implementation=implementation)
+                                    out_dtype=x_nd.dtype, implementation=implementation,
+                                    row_weights=row_weights)
     hq, h_scale = rows_in(h, si_down, h.shape[0], implementation)
     out = grouped_gemm.grouped_matmul(hq, down, **where, x_scale=h_scale, w_scale=s_down,
                                       w_layout=layout, out_dtype=x_nd.dtype,
@@ -704,24 +713,29 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
                for w, fan_in in ((gate_edf, D), (up_edf, D), (down_efd, F))]
     w_scales = [None if s is None else _positive(rng, s.shape) for s in (s_gate, s_up, s_down)]
     statics = [_static_probe_scale(rng) if static else None for _ in range(2)]
+    scores = _positive(rng, (N * k,)) / 2 if weighted else None
     return (_normal(rng, (N * k, D), x_nd.dtype), jnp.asarray(groups), *weights, *w_scales,
-            *statics)
+            *statics, scores)
 
   probe = selfcheck.Probe(
       "grouped_gemm (experts: SwiGLU, then down)",
       f"{N * k} rows x {_sig(gate_edf)} / {_sig(down_efd)} (w_layout={layout!r})",
       f"{N * k} rows {'by row ' if by_row else ''}"
       f"{_sig(x_nd, gate_edf, up_edf, down_efd, s_gate, s_up, s_down)} {layout} "
-      f"{_activation_mode(quant, static)}", make_args, run, PROBE_TOL)
+      f"{_activation_mode(quant, static)} weighted={weighted}", make_args, run, PROBE_TOL)
   if not use_pallas(kernels, ok, probe):
     return None
   if by_row:
-    # The score scales the INPUT, as below; top-k > 1 repeats each row once per pick.
+    # The score scales the INPUT, as below (or, weighted, the kernel's products); top-k > 1
+    # repeats each row once per pick.
     x_rows = x_nd if k == 1 else jnp.repeat(x_nd, k, axis=0)
-    pre = _score_scaled_rows(x_nd, scores, quant) if fp8 and not static and k == 1 else None
-    x_rows = x_rows * scores.reshape(-1)[:, None]
+    row_weights = pre = None
+    if weighted:
+      row_weights, pre = scores.reshape(-1), quantized_rows(x_nd, None)
+    else:
+      x_rows = x_rows * scores.reshape(-1)[:, None]
     y = run("pallas", x_rows, top_idx.reshape(-1).astype(jnp.int32), gate_edf, up_edf, down_efd,
-            s_gate, s_up, s_down, si_gate, si_down, pre, keep_row_padding and k == 1)
+            s_gate, s_up, s_down, si_gate, si_down, row_weights, pre, keep_row_padding and k == 1)
     if k == 1:
       return y
     return y.astype(jnp.float32).reshape(N, k, D).sum(1).astype(x_nd.dtype)
@@ -733,23 +747,6 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   y = run("pallas", x_sorted, group_sizes, gate_edf, up_edf, down_efd, s_gate, s_up, s_down,
           si_gate, si_down)
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
-
-
-def _score_scaled_rows(x_nd, scores, quant):
-  """The routed experts' FP8 input from the rows the fused site before already quantized (the
-  shared expert's input, `quantized_rows`): per-token quantization commutes with the router's
-  positive per-row score, q(x * s) = q(x) with scale * s, so only the scales change (a multiply
-  XLA fuses into the score's own sigmoid, instead of the score multiply and a quantize launch).
-  Exact but for x * s's bf16 rounding on the XLA path; only without an activation cap (a cap
-  would clip x where it clips x * s elsewhere). None where the rows are not there."""
-  if quant.activation_scale_ub is not None:
-    return None
-  pre = quantized_rows(x_nd, None)
-  if pre is None:
-    return None
-  q, scale = pre
-  s = scores.reshape(-1).astype(jnp.float32)
-  return q, scale * jnp.pad(s, (0, scale.shape[0] - s.shape[0]), constant_values=1.0)
 
 
 def _head_specs(plan, batch: int):

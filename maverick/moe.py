@@ -39,9 +39,12 @@ def route(x_nd: jax.Array, router_de: jax.Array, k: int, *, router_scale=None, q
                               input_scale=router_input_scale)
   if k == 1:  # Llama 4's top-1: a max and an argmax (one reduction; top_k sorts on a GPU)
     top_idx = jnp.argmax(logits, axis=-1, keepdims=True).astype(jnp.int32)
-    top_logits = jnp.take_along_axis(logits, top_idx, axis=-1)
-  else:
-    top_logits, top_idx = jax.lax.top_k(logits, k)
+    # The score as the max of the sigmoids (monotonic: the same value as the sigmoid of the max
+    # logit): the sigmoid then rides in the reduction's input, where a gather at the argmax, or
+    # a sigmoid after the max, was a launch of its own.
+    scores = jnp.max(jax.nn.sigmoid(logits.astype(jnp.float32)), axis=-1, keepdims=True)
+    return top_idx, scores.astype(x_nd.dtype), logits
+  top_logits, top_idx = jax.lax.top_k(logits, k)
   scores = jax.nn.sigmoid(top_logits.astype(jnp.float32)).astype(x_nd.dtype)
   return top_idx, scores, logits
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import common
+from pallas_kernels import KernelInputError, common
 from pallas_kernels.grouped_gemm import bench, grouped_matmul, grouped_swiglu
 from pallas_kernels.grouped_gemm import schedule as sched_lib
 
@@ -417,6 +417,37 @@ def test_row_groups_swiglu(arch):
   xla = grouped_swiglu(x, w_gate, w_up, row_groups=rg, **kw, out_dtype=jnp.float32,
                        implementation="xla")
   assert_rows_close(xla, expected, jnp.float32, f32_tol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_row_weights_scale_each_routed_rows_products(arch):
+  """The router's score per routed row (`row_weights`), applied to the gate and up products
+  before the SwiGLU (as if it scaled the input row), on x padded past the routed rows (decode:
+  1 and 3 routed rows of a tile); the padding rows stay 0."""
+  num_rows = 128 if arch == "sm100" else 64
+  for seed, row_groups in ((41, np.asarray([5])), (42, np.asarray([2, 9, 6]))):
+    x, w_gate, _, scales = make_inputs(seed, num_rows, 256, 64, [0] * 8, FP8)
+    _, w_up, _, up_scales = make_inputs(seed + 100, num_rows, 256, 64, [0] * 8, FP8)
+    weights = np.random.default_rng(seed).uniform(0.1, 0.9, len(row_groups)).astype(np.float32)
+    kw = dict(x_scale=scales["x_scale"], gate_scale=scales["w_scale"],
+              up_scale=up_scales["w_scale"], row_weights=jnp.asarray(weights))
+    pad = np.full(num_rows - len(row_groups), -1)
+    row_scale = np.asarray(scales["x_scale"], np.float64).copy()
+    row_scale[:len(row_groups)] *= weights
+    gate = numpy_rows(x, w_gate, np.concatenate([row_groups, pad]), row_scale, scales["w_scale"])
+    up = numpy_rows(x, w_up, np.concatenate([row_groups, pad]), row_scale, up_scales["w_scale"])
+    expected = gate / (1.0 + np.exp(-gate)) * up
+    rg = jnp.asarray(row_groups, jnp.int32)
+    with common.interpret(arch=arch):
+      out = jax.block_until_ready(grouped_swiglu(x, w_gate, w_up, row_groups=rg, **kw,
+                                                 out_dtype=jnp.float32, implementation="pallas"))
+    assert_rows_close(out, expected, jnp.float32, f32_tol=1e-5)
+    assert np.all(np.asarray(out)[len(row_groups):] == 0)
+    xla = grouped_swiglu(x, w_gate, w_up, row_groups=rg, **kw, out_dtype=jnp.float32,
+                         implementation="xla")
+    assert_rows_close(xla, expected, jnp.float32, f32_tol=1e-5)
+  with pytest.raises(KernelInputError, match="row_weights"):
+    grouped_swiglu(x, w_gate, w_up, row_groups=rg, **dict(kw, row_weights=jnp.ones((2,))))
 
 
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])

@@ -224,13 +224,14 @@ def test_fp8_experts_match_xla(n_tokens):
 
 
 @pytest.mark.slow
-def test_routed_experts_reuse_the_sites_fp8_rows_with_score_scaled_scales(monkeypatch):
+def test_routed_experts_reuse_the_sites_fp8_rows_and_the_kernel_applies_the_score(monkeypatch):
   """Decode rows (by-row schedule), top-1, per-token FP8: when the fused site before quantized
-  the rows (recorded in the forward's scope), the routed experts take them with their scales
-  times the router score (q(x * s) = q(x) with scale * s) instead of quantizing x * s: one
-  quantization fewer (only the down input's left), and the output matches the XLA path within
-  the FP8 tolerance (the rows differ from x * s's only by its bf16 rounding). Mutant: the scales
-  without the score (off by the score's factor, 0.2-1.0)."""
+  the rows (recorded in the forward's scope), the routed experts take them as they are and the
+  SwiGLU kernel multiplies its products by the router score (`row_weights`: q(x * s) = q(x)
+  with scale * s) instead of quantizing x * s: one quantization fewer (only the down input's
+  left) and no score multiply, and the output matches the XLA path within the FP8 tolerance
+  (the rows differ from x * s's only by its bf16 rounding). Mutant: the kernel ignoring the
+  weights (off by the score's factor, 0.2-1.0)."""
   from maverick import moe
   rng = np.random.default_rng(5)
   qc = quant.QuantConfig()

@@ -136,14 +136,15 @@ def test_static_fp8_experts_match_xla(monkeypatch):
 
 _FP8_GEMM = re.compile(r"\(tensor<\d+x\d+xf8E4M3FN>, tensor<\d+x\d+xf8E4M3FN>, tensor<\d+xf32>, "
                        r"tensor<\d+xf32>\)")
-_FP8_GROUPED = re.compile(r"\(tensor<\d+x\d+xi32>, tensor<\d+x\d+xf8E4M3FN>, "
+_FP8_GROUPED = re.compile(r"\(tensor<\d+(?:x\d+)?xi32>, tensor<\d+x\d+xf8E4M3FN>, "
                           r"(tensor<\d+x\d+x\d+xf8E4M3FN>, )+")
 
 
 def _fp8_kernel_calls(hlo: str) -> tuple[int, int]:
   """(FP8 GEMM calls, FP8 grouped GEMM calls) among the Mosaic GPU custom calls, told apart by
   their operand types: e4m3 x [M, K] and w [N, K] with f32 row / column scales, or the group
-  schedule (i32), e4m3 rows and [E, N, K] expert weights."""
+  schedule (i32 [R, W]; decode's per-row groups, i32 [A]), e4m3 rows and [E, N, K] expert
+  weights."""
   calls = [line[line.rindex(" : ("):] for line in common.mosaic_call_lines(hlo)]
   return (sum(bool(_FP8_GEMM.match(c, 3)) for c in calls),
           sum(bool(_FP8_GROUPED.match(c, 3)) for c in calls))

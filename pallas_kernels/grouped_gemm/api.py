@@ -183,9 +183,12 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    x_scale: jax.Array | None = None, gate_scale: jax.Array | None = None,
                    up_scale: jax.Array | None = None, out_dtype=jnp.bfloat16,
                    w_layout: str = "enk", implementation: str | None = None,
-                   row_groups: jax.Array | None = None) -> jax.Array:
+                   row_groups: jax.Array | None = None,
+                   row_weights: jax.Array | None = None) -> jax.Array:
   """[A, F] = silu(x @ w_gate[g]^T * scales) * (x @ w_up[g]^T * scales); see the module doc.
-  `row_groups`: as in grouped_matmul."""
+  `row_groups`: as in grouped_matmul. `row_weights` [A'] (with row_groups): each routed row's
+  products also times its weight, before the SwiGLU: the MoE router's score, as if it scaled the
+  input row (the kernel applies it; nothing multiplies x or its scales first)."""
   gate_view, up_view = _k_major_view(w_gate, w_layout), _k_major_view(w_up, w_layout)
   sizes_or_stand_in = _groups_of(x, gate_view, group_sizes, row_groups)
   _validate(x, gate_view, sizes_or_stand_in, x_scale, gate_scale, out_dtype)
@@ -195,6 +198,12 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
   common.check((gate_scale is None) == (up_scale is None),
                "gate_scale and up_scale: pass both (FP8 experts) or neither")
   _validate(x, up_view, sizes_or_stand_in, x_scale, up_scale, out_dtype)
+  if row_weights is not None:
+    common.check(row_groups is not None and row_weights.shape == row_groups.shape
+                 and jnp.issubdtype(row_weights.dtype, jnp.floating),
+                 f"row_weights: {row_weights.shape} {row_weights.dtype}; pass float weights of "
+                 f"row_groups' shape {None if row_groups is None else row_groups.shape}, with "
+                 "row_groups")
   if row_groups is None:
     group_sizes = schedule.safe_group_sizes(group_sizes, x.shape[0])
   plan = _plan(x, gate_view, x_scale, gate_scale, out_dtype, 2, w_layout, common.runnable_arch())
@@ -203,6 +212,10 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     args = (x, _as_enk(w_gate, w_layout), _as_enk(w_up, w_layout))
     kw = dict(x_scale=x_scale, gate_scale=gate_scale, up_scale=up_scale, out_dtype=out_dtype)
     if row_groups is not None:
+      if row_weights is not None:  # as the input row scaled: its products' row scale
+        rows_scale = jnp.ones((x.shape[0],), jnp.float32) if x_scale is None else x_scale
+        kw["x_scale"] = rows_scale.astype(jnp.float32).at[:row_weights.shape[0]].multiply(
+            row_weights.astype(jnp.float32))
       return reference.grouped_swiglu(*args, row_groups, **kw,
                                       matmul=reference.grouped_matmul_rows)
     return reference.grouped_swiglu(*args, group_sizes, **kw)
@@ -210,4 +223,5 @@ def grouped_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
   i32 = lambda a: None if a is None else a.astype(jnp.int32)
   return _arch_kernels()[1](x, w_gate, w_up, i32(group_sizes), f32(x_scale),
                             f32(gate_scale), f32(up_scale), out_dtype=jnp.dtype(out_dtype),
-                            w_kn=w_layout == "ekn", cfg=plan.config, row_groups=i32(row_groups))
+                            w_kn=w_layout == "ekn", cfg=plan.config, row_groups=i32(row_groups),
+                            row_weights=row_weights)

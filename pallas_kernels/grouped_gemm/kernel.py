@@ -78,12 +78,35 @@ def silu_times(gate, up):
   return gate / (1.0 + jnp.exp(-gate)) * up
 
 
+def _row_tile_fields(rg_gmem, tile, routed: int, num_rows: int, num_groups: int, tile_m: int):
+  """schedule.row_schedule's (group, block, lo, hi) of `tile`, made in the kernel from the rows'
+  groups in GMEM (a scalar load): no schedule array for XLA to build and pad first (a launch a
+  MoE layer at decode). Tiles past the routed rows: the static zero tail, then unused ones."""
+  routed_group = rg_gmem[jnp.minimum(tile, routed - 1)]
+  routed_group = jnp.where((routed_group >= 0) & (routed_group < num_groups), routed_group,
+                           sched_lib.ZERO_GROUP)
+  is_routed = tile < routed
+  group = jnp.where(is_routed, routed_group, sched_lib.ZERO_GROUP)
+  block = jnp.where(is_routed, tile // tile_m, 0)
+  lo = jnp.where(is_routed, tile % tile_m, 0)
+  hi = jnp.where(is_routed, tile % tile_m + 1, 0)
+  tail_blocks = range(routed // tile_m, -(-num_rows // tile_m)) if num_rows > routed else ()
+  for j, b in enumerate(tail_blocks):
+    tail = tile == routed + j
+    block = jnp.where(tail, b, block)
+    lo = jnp.where(tail, max(routed - b * tile_m, 0), lo)
+    hi = jnp.where(tail, min(num_rows - b * tile_m, tile_m), hi)
+  return group, block, lo, hi
+
+
 def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combine,
-                   cfg: Config, arch: str, row_groups=None):
+                   cfg: Config, arch: str, row_groups=None, row_weights=None):
   """[A, N] = combine(*(scaled x @ w[g]^T for w in weights)): one accumulator per weight (1 or 2,
   same shape), combined elementwise in the epilogue (identity, or silu(gate) * up). Rows sorted
   by group with `group_sizes`, or in any order with each row's group in `row_groups` [A' <= A]
-  (schedule.row_schedule: one tile per row, for decode's few rows; rows past A' are 0)."""
+  (schedule.row_schedule's tiles, one per row, for decode's few rows, made in the kernel; rows
+  past A' are 0). `row_weights` [A'] (with row_groups): each routed row's products also scaled
+  by its weight (the router's score, as if it scaled the input row)."""
   assert arch in ("sm90", "sm100"), arch
   num_rows, k = x.shape
   num_groups = weights[0].shape[0]
@@ -98,10 +121,15 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
   num_n_blocks = n // tile_n
   k_steps = k // tile_k
 
-  if row_groups is None:
+  by_row = row_groups is not None
+  weighted = row_weights is not None
+  assert by_row or not weighted
+  if by_row:  # x may be padded past the routed rows: its tail rows are stored as zeros
+    routed = row_groups.shape[0]
+    assert routed + -(-num_rows // tile_m) - routed // tile_m <= num_tiles, (routed, num_rows)
+    schedule = row_groups
+  else:
     schedule = sched_lib.pack(sched_lib.tile_schedule(group_sizes, num_rows, tile_m))
-  else:  # x may be padded past the routed rows: its tail rows are stored as zeros
-    schedule = sched_lib.pack(sched_lib.row_schedule(row_groups, num_groups, tile_m, num_rows))
   # Whole row blocks are loaded, so pad x (and its scales) to a multiple of tile_m rows; the pad
   # rows are computed but never stored. No copy when A is already a multiple (prefill shapes).
   padded_rows = -(-num_rows // tile_m) * tile_m
@@ -116,6 +144,9 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
   def body(sched_gmem, x_gmem, *rest):
     common.pdl_prologue()
     w_gmems, rest = rest[:num_w], rest[num_w:]
+    rw_gmem = None
+    if weighted:
+      rw_gmem, rest = rest[0], rest[1:]
     if scaled:
       xs_gmem, ws_gmems, o_gmem = rest[0], rest[1:1 + num_w], rest[-1]
     else:
@@ -171,17 +202,22 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
       return lambda i, cols: plgpu.async_load_tmem(acc_tmems[i].at[:, cols])
 
     def scoped(sched_smem, o_smem, scale_smem, sched_bar, scale_bar, mma_bars, acc_tmems):
-      plgpu.copy_gmem_to_smem(sched_gmem, sched_smem, sched_bar)
-      plgpu.barrier_wait(sched_bar)
+      if not by_row:
+        plgpu.copy_gmem_to_smem(sched_gmem, sched_smem, sched_bar)
+        plgpu.barrier_wait(sched_bar)
 
       @plgpu.nd_loop((num_tiles * num_n_blocks,), collective_axes="sm")
       def _tile_loop(info):
         (lin,) = info.index
         tile = lin // num_n_blocks
         ni = lin % num_n_blocks
-        group, block, lo, hi = (
-            sched_lib.read_packed(sched_smem, num_tiles, field, tile)
-            for field in (sched_lib.GROUP, sched_lib.BLOCK, sched_lib.ROW_LO, sched_lib.ROW_HI))
+        if by_row:
+          group, block, lo, hi = _row_tile_fields(sched_gmem, tile, routed, num_rows, num_groups,
+                                                  tile_m)
+        else:
+          group, block, lo, hi = (
+              sched_lib.read_packed(sched_smem, num_tiles, field, tile)
+              for field in (sched_lib.GROUP, sched_lib.BLOCK, sched_lib.ROW_LO, sched_lib.ROW_HI))
         used = hi > lo
 
         def store(chunk_value):
@@ -216,6 +252,11 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
           if scaled:
             plgpu.barrier_wait(scale_bar)
 
+          # A routed row's weight (its tile holds that one row): a scalar for the whole tile.
+          weight = None
+          if weighted:  # any float dtype: one scalar converted here, not an XLA launch before
+            weight = rw_gmem[jnp.minimum(tile, routed - 1)].astype(jnp.float32)
+
           def chunk_value(cols):
             accs = [read_acc(i, cols) for i in range(num_w)]
             if scaled:
@@ -223,6 +264,8 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
               row_scale = lax.broadcast_in_dim(xs_smem[...], shape, (0,))
               accs = [acc * row_scale * lax.broadcast_in_dim(ws_smem[cols], shape, (1,))
                       for acc, ws_smem in zip(accs, ws_smems)]
+            if weighted:
+              accs = [acc * weight for acc in accs]
             return combine(*accs)
 
           store(chunk_value)
@@ -244,10 +287,10 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
           [plgpu.TMEM((tile_m, tile_n), jnp.float32) for _ in range(num_w)])
     pl.run_scoped(
         scoped,
-        plgpu.SMEM(schedule.shape, jnp.int32),
+        None if by_row else plgpu.SMEM(schedule.shape, jnp.int32),
         plgpu.SMEM((tile_m, tile_n), out_dtype),
         scale_allocs,
-        plgpu.Barrier(num_arrivals=1),  # the schedule copy
+        None if by_row else plgpu.Barrier(num_arrivals=1),  # the schedule copy
         plgpu.Barrier(num_arrivals=1 + num_w) if scaled else None,  # a tile's scale copies
         *tensor_core_allocs,
     )
@@ -258,5 +301,6 @@ def grouped_kernel(x, weights, group_sizes, x_scale, w_scales, out_dtype, combin
       grid=(common.num_sms(),),
       grid_names=("sm",),
   )
-  args = (schedule, x, *weights) + ((x_scale, *w_scales) if scaled else ())
+  args = ((schedule, x, *weights) + ((row_weights,) if weighted else ())
+          + ((x_scale, *w_scales) if scaled else ()))
   return kernel(*args)

@@ -30,8 +30,9 @@ def grouped_matmul(x, w, group_sizes, x_scale, w_scale, out_dtype, w_kn=False, c
 
 
 def grouped_swiglu(x, w_gate, w_up, group_sizes, x_scale, gate_scale, up_scale, out_dtype,
-                   w_kn=False, cfg=None, row_groups=None):
+                   w_kn=False, cfg=None, row_groups=None, row_weights=None):
   """Two accumulators share each x tile; only silu(gate) * up leaves the SM."""
   cfg = cfg or _config(w_gate.shape[2 if w_kn else 1], 2, w_kn)
   return kernel.grouped_kernel(x, (w_gate, w_up), group_sizes, x_scale, (gate_scale, up_scale),
-                               out_dtype, kernel.silu_times, cfg, "sm100", row_groups)
+                               out_dtype, kernel.silu_times, cfg, "sm100", row_groups,
+                               row_weights)
