@@ -46,6 +46,7 @@ from pallas_kernels import common
 from pallas_kernels import decode_attention as decode
 from pallas_kernels import gemm as gemm_lib
 from pallas_kernels import grouped_gemm
+from pallas_kernels import moe_route
 from pallas_kernels import prefill_attention as prefill
 from pallas_kernels import quantize_rows as quantize_lib
 from pallas_kernels import selfcheck
@@ -234,15 +235,17 @@ def _fused_out_specs(fuse: Fuse, out_spec):
   split the rows, else the site does not quantize)."""
   if fuse.quantize_ub is None or out_spec[0] is not None:
     return (out_spec, out_spec), dataclasses.replace(fuse, quantize_ub=None)
-  return (out_spec, out_spec, P(None, None), P(None)), fuse
+  return (out_spec, out_spec, P(None, None), P(None), P(None, None)), fuse
 
 
 def _remember_site(out, fuse: Fuse):
-  """(new residual, normed) of a fused site's outputs, recording the normed rows' FP8 form."""
+  """(new residual, normed) of a fused site's outputs, recording the normed rows' FP8 form and
+  their tile-padded bf16 form (`fused_allreduce_norm`)."""
   if len(out) == 2:
     return out
-  h, y, q, scale = out
+  h, y, q, scale, padded = out
   remember_quantized(y, q, scale, _site_quantize(fuse, y.shape)[1])
+  remember_padded(y, padded)
   return h, y
 
 
@@ -252,6 +255,7 @@ class _ForwardScope:
   semaphores: dict = dataclasses.field(default_factory=dict)  # rows -> semaphore buffer
   # (normed, e4m3 rows, scales, ub, their shard_map specs: whole rows, or split by columns)
   quantized: list = dataclasses.field(default_factory=list)
+  padded: list = dataclasses.field(default_factory=list)  # (normed, its rows tile-padded)
 
 
 _FORWARD: contextvars.ContextVar[_ForwardScope | None] = contextvars.ContextVar(
@@ -287,11 +291,27 @@ def remember_quantized(normed, q, scale, ub, specs=WHOLE_ROWS) -> None:
 
 
 def carry_quantized(normed, reshaped) -> None:
-  """`reshaped` (a free reshape of `normed`, same rows) has `normed`'s recorded FP8 rows."""
+  """`reshaped` (a free reshape of `normed`, same rows) has `normed`'s recorded FP8 rows (and
+  padded rows)."""
   scope = _FORWARD.get()
-  for entry in () if scope is None else list(scope.quantized):
-    if entry[0] is normed:
-      scope.quantized.append((reshaped, *entry[1:]))
+  for memo in () if scope is None else (scope.quantized, scope.padded):
+    for entry in list(memo):
+      if entry[0] is normed:
+        memo.append((reshaped, *entry[1:]))
+
+
+def remember_padded(normed, padded) -> None:
+  """Records `normed`'s rows [..., D] as [R >= rows, D] with zero rows past them (the fused site
+  writes them so, beside its FP8 rows): a bf16 GEMM on `normed` takes them without a pad."""
+  scope = _FORWARD.get()
+  if scope is not None:
+    scope.padded.append((normed, padded))
+
+
+def padded_rows(x):
+  """The rows recorded for this very array by `remember_padded`, or None."""
+  scope = _FORWARD.get()
+  return next((p for n, p in (() if scope is None else scope.padded) if n is x), None)
 
 
 def quantized_rows(x, ub=None, rows_out: int | None = None, specs=WHOLE_ROWS):
@@ -342,12 +362,14 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
   mesh; one host; shapes it takes; and, in auto mode, its self-check on this mesh passed), else
   psum of the bf16 payload + norm in XLA. `semaphores`: the local view of `site_semaphores`'s
   buffer (passed into shard_map replicated), or None. With `fuse.quantize_ub` set, also the
-  normed rows' FP8 form (e4m3 [rows padded to the GEMM's row tile, D], f32 scales): a 4-tuple."""
+  normed rows' FP8 form (e4m3 [rows padded to the GEMM's row tile, D], f32 scales) and the
+  normed rows padded alike: a 5-tuple."""
   reduce_axes = tuple(reduce_axes)
   quantize = _site_quantize(fuse, residual.shape)
+  padded = quantize is not None
   if not reduce_axes:
     return allreduce_norm.residual_norm(partial, residual, weight, fuse.eps, implementation="xla",
-                                        quantize=quantize)
+                                        quantize=quantize, padded_normed=padded)
   whole = all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in reduce_axes)
   ok = (whole and _single_node(mesh)
         and allreduce_norm.pallas_support(residual.shape, residual.dtype, weight.dtype)[0])
@@ -398,9 +420,10 @@ def fused_allreduce_norm(partial, residual, weight, fuse: Fuse, reduce_axes, mes
       semaphores = None  # rows split over devices: not the buffer's (the kernel's own then)
     return allreduce_norm.allreduce_residual_norm(partial, residual, weight, eps, axes,
                                                   implementation="pallas", semaphores=semaphores,
-                                                  quantize=quantize)
+                                                  quantize=quantize, padded_normed=padded)
   return allreduce_norm.allreduce_residual_norm(partial, residual, weight, eps, reduce_axes,
-                                                implementation="xla", quantize=quantize)
+                                                implementation="xla", quantize=quantize,
+                                                padded_normed=padded)
 
 
 def sharded_embed_norm(tokens, table, scale, weight, eps: float, kernels: str | None, plan,
@@ -747,6 +770,44 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   y = run("pallas", x_sorted, group_sizes, gate_edf, up_edf, down_efd, s_gate, s_up, s_down,
           si_gate, si_down)
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
+
+
+def route_top1(x_nd, router_de, kernels: str | None):
+  """Llama 4's top-1 routing (`maverick.moe.route` with k = 1 and a bf16 router [D, E]) as the
+  router GEMM kernel and the routing kernel (`pallas_kernels.moe_route`), which sums the GEMM's
+  K split itself: two launches where XLA takes three (the GEMV's two reductions, the routing
+  reduction). (expert ids int32 [N, 1], scores [N, 1]) or None."""
+  if kernels == "xla" or router_de.dtype != x_nd.dtype or x_nd.dtype == quant_ops.FP8:
+    return None
+  (n, d), e = x_nd.shape, router_de.shape[1]
+  ok = (gemm_lib.pallas_support(x_nd.dtype, router_de.dtype, e, d, "kn", m=n,
+                                out_dtype=jnp.float32)[0]
+        and moe_route.pallas_support(n, e)[0])
+
+  def run(implementation, x, router):
+    logits = gemm_lib.gemm_many_partials(x, (router,), w_layout="kn", out_dtype=jnp.float32,
+                                         implementation=implementation)[0]
+    return moe_route.route_top1(logits, n, logits_dtype=x.dtype, score_dtype=x.dtype,
+                                implementation=implementation)
+
+
+  def one_hot(implementation, x, router):  # the probe compares one array: a wrong id is O(1)
+    top, score = run(implementation, x, router)
+    return jax.nn.one_hot(top[:, 0], e) * score.astype(jnp.float32)
+
+  probe = selfcheck.Probe(
+      "moe_route (router GEMM + top-1)", f"x {_sig(x_nd)} @ router {_sig(router_de)}",
+      f"{_sig(x_nd, router_de)}",
+      lambda rng: (_normal(rng, x_nd.shape, x_nd.dtype),
+                   _normal(rng, router_de.shape, router_de.dtype, 1 / math.sqrt(d))),
+      one_hot, PROBE_TOL)
+  if not use_pallas(kernels, ok, probe):
+    return None
+  # The fused site's rows already padded to the GEMM's tile (zero rows): no pad launch.
+  padded = padded_rows(x_nd)
+  tile = gemm_lib.row_tile(n, e, d, x_nd.dtype, router_de.dtype, "kn", out_dtype=jnp.float32)
+  x = padded if padded is not None and padded.shape[0] % tile == 0 else x_nd
+  return run("pallas", x, router_de)
 
 
 def _head_specs(plan, batch: int):

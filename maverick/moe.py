@@ -278,13 +278,20 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
   P = PartitionSpec
 
   def local(x_own, router, gate, up, down, sg, su, sd, r_scale, e_scales, s_scales, statics,
-            fused_in, x_quantized):
+            fused_in, x_quantized, x_padded):
     r_in, e_in, s_in = statics
     if x_quantized is not None:
       kernels_lib.remember_quantized(x_own, *x_quantized, quant.activation_scale_ub)
+    if x_padded is not None:
+      kernels_lib.remember_padded(x_own, x_padded)
     x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
-    top_idx, scores, _ = route(x, router, top_k, router_scale=r_scale, quant=quant,
-                               router_input_scale=r_in)
+    routed = None
+    if top_k == 1 and r_scale is None:
+      routed = kernels_lib.route_top1(x, router, kernels)
+    if routed is None:
+      routed = route(x, router, top_k, router_scale=r_scale, quant=quant,
+                     router_input_scale=r_in)[:2]
+    top_idx, scores = routed
     if ex is not None:
       e_local = gate.shape[0]
       first = jax.lax.axis_index(ex) * e_local
@@ -339,9 +346,11 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
   if fuse is not None:
     out_specs, fuse = kernels_lib._fused_out_specs(fuse, out_specs)
   # The normed rows' FP8 form from the fused site before (the shared expert's gate/up take it).
-  x_quantized = None
+  x_quantized = x_padded = None
   if rows is None and quant is not None:
     x_quantized = kernels_lib.quantized_rows(x_nd, quant.activation_scale_ub)
+  if rows is None:  # and the same rows tile-padded in bf16, for the router GEMM
+    x_padded = kernels_lib.padded_rows(x_nd)
   f = jax.shard_map(
       local, mesh=plan.mesh,
       in_specs=(P(rows, None), P(None, None),
@@ -353,9 +362,10 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
                 scale_specs(shared_scales, (P(tp), P(tp), P(None))), static_specs,
                 None if fuse is None else (P(rows, None), P(None),
                                            None if sems is None else P()),
-                None if x_quantized is None else (P(None, None), P(None))),
+                None if x_quantized is None else (P(None, None), P(None)),
+                None if x_padded is None else P(None, None)),
       out_specs=out_specs, check_vma=False)
   fused_in = None if fuse is None else (fuse.residual, fuse.weight, sems)
   out = f(x_nd, router_de, gate_edf, up_edf, down_efd, *shared, router_scale, tuple(scales),
-          tuple(shared_scales), statics, fused_in, x_quantized)
+          tuple(shared_scales), statics, fused_in, x_quantized, x_padded)
   return out if fuse is None else kernels_lib._remember_site(out, fuse)

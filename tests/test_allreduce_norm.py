@@ -97,6 +97,25 @@ def test_quantize_epilogue_matches_float64_quantization_of_the_normed_rows(imple
 
 
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_quantizing_site_also_gives_its_normed_rows_padded(implementation):
+  """With the FP8 epilogue the kernel writes the normed rows padded to the FP8 rows' tile (zero
+  rows past them: the bf16 router GEMM takes them without a pad launch); `padded_normed` returns
+  them: the normed rows, then zeros."""
+  rng = np.random.default_rng(8)
+  s, r = _bf16(rng, 1, 3, 256), _bf16(rng, 1, 3, 256, scale=3.0)
+  w = jnp.asarray(rng.uniform(0.5, 2.0, 256), BF16)
+  with pallas_kernels.interpret():
+    h, y, q, scale, padded = api.residual_norm(s, r, w, EPS, implementation=implementation,
+                                               quantize=(8, None), padded_normed=True)
+  assert padded.shape == (8, 256) and padded.dtype == BF16
+  np.testing.assert_array_equal(np.asarray(padded[:3], np.float32),
+                                np.asarray(y.reshape(3, 256), np.float32))
+  assert np.all(np.asarray(padded[3:], np.float32) == 0)
+  _, y_ref = _numpy_residual_norm(s, r, w, EPS)
+  _close(padded[:3].reshape(y_ref.shape), y_ref)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
 def test_row_padded_partial_reads_only_the_residual_rows(implementation):
   """A GEMM's tile-padded product [R >= rows, D] goes in unsliced: the rows past the residual's
   (NaN here) change nothing."""
@@ -201,7 +220,7 @@ def test_fp8_epilogue_has_its_own_self_check(monkeypatch, tmp_path):
     body = lambda p, r, w: kernels_lib.fused_allreduce_norm(
         p[0], r, w, kernels_lib.Fuse(r, w, EPS, None, True), ("tensor",), mesh)
     return jax.shard_map(body, mesh=mesh, in_specs=(P("tensor"), P(), P()),
-                         out_specs=(P(), P(), P(), P()), check_vma=False)(p, r, w)
+                         out_specs=(P(),) * 5, check_vma=False)(p, r, w)
 
   def reference(*args, bad_scale=False, **kw):
     calls.append(kw["implementation"])
@@ -217,11 +236,11 @@ def test_fp8_epilogue_has_its_own_self_check(monkeypatch, tmp_path):
     selfcheck.clear_memory()
     with pallas_kernels.interpret(), selfcheck.force(), warnings.catch_warnings(record=True) as ws:
       warnings.simplefilter("always")
-      h, y, q, scale = site()
+      h, y, q, scale, padded = site()
     fallbacks = [w for w in ws if issubclass(w.category, selfcheck.KernelFallbackWarning)]
     assert selfcheck.probes_run == probes and calls[-1] == impl, (calls, selfcheck.probes_run)
     assert len(fallbacks) == bad and (not bad or "FP8 epilogue" in str(fallbacks[0].message))
-    assert q.shape == (64, 256) and scale.shape == (64,)
+    assert q.shape == (64, 256) and scale.shape == (64,) and padded.shape == (64, 256)
   selfcheck.clear_memory()
 
 

@@ -65,7 +65,7 @@ def pallas_support(shape, residual_dtype, weight_dtype) -> tuple[bool, str]:
   return True, ""
 
 
-def _flat(fn, partial, residual, weight):
+def _flat(fn, partial, residual, weight, padded_normed=False):
   """The kernel on [rows, D]; a row-padded partial goes in as it is (the kernel reads the first
   `rows`: slicing it would be a launch of its own), split-K partials [S, R, D] too, in f32
   (rounding them would be a launch). The quantized rows, if any, stay flat."""
@@ -74,7 +74,9 @@ def _flat(fn, partial, residual, weight):
     return x if reference.is_split(x, residual) else x.reshape(-1, d).astype(PAYLOAD_DTYPE)
 
   h, y, *quantized = fn(tuple(term(x) for x in _terms(partial)), residual.reshape(-1, d), weight)
-  return (h.reshape(residual.shape), y.reshape(residual.shape), *quantized)
+  rows = math.prod(residual.shape[:-1])
+  padded = (y,) if quantized and padded_normed else ()
+  return (h.reshape(residual.shape), y[:rows].reshape(residual.shape), *quantized, *padded)
 
 
 def _check_quantize(quantize, residual):
@@ -86,31 +88,36 @@ def _check_quantize(quantize, residual):
         f"None)")
 
 
-def _with_quantized(out, quantize):
-  """The reference's (h, y) and, with `quantize`, y's FP8 rows as the kernel writes them."""
+def _with_quantized(out, quantize, padded_normed=False):
+  """The reference's (h, y) and, with `quantize`, y's FP8 rows as the kernel writes them (and,
+  `padded_normed`, y's rows zero-padded like them)."""
   if quantize is None:
     return out
   h, y = out
-  q, s = quantize_reference.quantize_rows(y.reshape(-1, y.shape[-1]), *quantize)
-  return h, y, q, s
+  y2 = y.reshape(-1, y.shape[-1])
+  q, s = quantize_reference.quantize_rows(y2, *quantize)
+  padded = (jnp.pad(y2, ((0, quantize[0] - y2.shape[0]), (0, 0))),) if padded_normed else ()
+  return h, y, q, s, *padded
 
 
 def residual_norm(summed, residual, weight, eps: float, *, implementation: str | None = None,
-                  quantize=None):
+                  quantize=None, padded_normed: bool = False):
   """(residual + summed, RMSNorm of it times `weight`) on one device. `summed`: [..., D] like
   the residual, or [R, D] with R >= its rows (a GEMM's tile-padded output; the rest ignored), or
   split-K partials / a tuple of terms as `allreduce_residual_norm` takes them.
   `quantize` (rows_out, ub): also the normed rows quantized for an FP8 GEMM, as
   `pallas_kernels.quantize_rows(normed rows, rows_out, ub)`: (..., e4m3 [rows_out, D], f32
-  scales [rows_out])."""
+  scales [rows_out]); `padded_normed` (with quantize): then also the normed rows [rows_out, D],
+  zero past the residual's rows (a bf16 GEMM on them pads nothing)."""
   _validate(summed, residual, weight)
   _check_quantize(quantize, residual)
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
     return _with_quantized(reference.residual_norm(
-        reference.local_sum(_terms(summed), residual), residual, weight, eps), quantize)
+        reference.local_sum(_terms(summed), residual), residual, weight, eps), quantize,
+        padded_normed)
   return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, quantize=quantize), summed, residual,
-               weight)
+               weight, padded_normed)
 
 
 new_semaphores = kernel.new_semaphores
@@ -118,7 +125,8 @@ shared_semaphores_supported = kernel.shared_semaphores_supported
 
 
 def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
-                            implementation: str | None = None, semaphores=None, quantize=None):
+                            implementation: str | None = None, semaphores=None, quantize=None,
+                            padded_normed: bool = False):
   """Inside shard_map: (residual + psum(partial) over `axis_name`, its RMSNorm times `weight`).
   `partial` [..., D]: this device's row-parallel partial sums (any float dtype; sent in the
   residual's dtype), or [R, D] with R >= the residual's rows (a GEMM's tile-padded output), or
@@ -129,7 +137,7 @@ def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
   1 may be left out by the caller's plan: see maverick.kernels.allreduce_norm_axes).
   `semaphores`: the kernel's semaphore buffer shared with the forward's other fused sites
   (`new_semaphores(rows)`, passed into shard_map), or None for its own (one more launch: XLA
-  copies a zeroed buffer in). `quantize`: as `residual_norm`'s.
+  copies a zeroed buffer in). `quantize`, `padded_normed`: as `residual_norm`'s.
   """
   _validate(partial, residual, weight)
   _check_quantize(quantize, residual)
@@ -141,9 +149,9 @@ def allreduce_residual_norm(partial, residual, weight, eps: float, axis_name, *,
   ok, why = pallas_support(residual.shape, residual.dtype, weight.dtype)
   if common.resolve(implementation, supported=ok, why=why) == "xla":
     return _with_quantized(reference.allreduce_residual_norm(
-        _terms(partial), residual, weight, eps, axis_name), quantize)
+        _terms(partial), residual, weight, eps, axis_name), quantize, padded_normed)
   axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
   n = math.prod(lax.axis_size(a) for a in axes)
   return _flat(lambda x, r, w: kernel.fused(x, r, w, eps, collective_axes=axes, num_devices=n,
                                             semaphores=semaphores, quantize=quantize),
-               partial, residual, weight)
+               partial, residual, weight, padded_normed)

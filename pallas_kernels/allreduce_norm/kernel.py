@@ -73,15 +73,17 @@ def fused(partials, residual, weight, eps: float, *, collective_axes=None, num_d
   [R >= M, D] (rows past M are not read: a GEMM's tile padding needs no slice) or [S, R, D] (a
   GEMM's S split-K f32 partials, each scaled: their sum is its product), each reduced over the
   devices and summed in f32 (so a K-split GEMM's sum, and a second term such as the routed
-  experts beside the shared one, need no XLA fusion before the kernel). `collective_axes`: the
-  multimem load reduces over (inside shard_map; `num_devices` devices in all), or None for the
-  single-device body (`partials` already summed over the devices). `semaphores`: a buffer from `new_semaphores(M)`
-  shared with other fused kernels (zero between them), or None for the kernel's own.
-  `quantize` (rows_out >= M, ub): also the normed rows in e4m3 [rows_out, D] with their f32
-  scales [rows_out], exactly as pallas_kernels.quantize_rows quantizes them (per row, max |y|
-  floored at 1/512 and capped at ub, to 448; rows M.. zero rows): the next GEMM's FP8 input
-  without a quantize launch of its own. The row is in registers already, so its max is one more
-  warpgroup reduction."""
+  experts beside the shared one, need no XLA fusion before the kernel).
+
+  `collective_axes`: the mesh axes the multimem load reduces over (inside shard_map;
+  `num_devices` devices in all), or None for the single-device body (`partials` already summed
+  over the devices). `semaphores`: a buffer from `new_semaphores(M)` shared with other fused
+  kernels (zero between them), or None for the kernel's own. `quantize` (rows_out >= M, ub):
+  the normed rows come as [rows_out, D] (rows M.. zero), and also in e4m3 [rows_out, D] with
+  their f32 scales [rows_out], exactly as pallas_kernels.quantize_rows quantizes them (per row,
+  max |y| floored at 1/512 and capped at ub, to 448; rows M.. zero rows): the next GEMM's FP8
+  input without a quantize launch of its own. The row is in registers already, so its max is
+  one more warpgroup reduction."""
   partials = tuple(partials)
   m, d = residual.shape
   rows_out = m if quantize is None else quantize[0]
@@ -116,6 +118,7 @@ def fused(partials, residual, weight, eps: float, *, collective_axes=None, num_d
       zero = plgpu.layout_cast(jnp.zeros((d,), jnp.float32), layout)
       q_ref[row] = zero.astype(q_ref.dtype)
       s_ref[row] = quantize_kernel.row_scale(jnp.float32(0.0), ub)
+      y_ref[row] = zero.astype(y_ref.dtype)
 
   def row_body(row, x_refs, r_ref, w_ref, h_ref, y_ref, q_ref, s_ref, *sems):
     if multimem:
@@ -150,8 +153,10 @@ def fused(partials, residual, weight, eps: float, *, collective_axes=None, num_d
       plgpu.semaphore_signal_multicast(done, collective_axes=collective_axes)
       pl.semaphore_wait(done, num_devices)
 
-  out = jax.ShapeDtypeStruct((m, d), residual.dtype)
-  out_types = (out, out)
+  # With `quantize` the normed rows come padded like the FP8 rows (zero rows past M): a bf16
+  # GEMM on them (the MoE router) then pads nothing.
+  out_types = (jax.ShapeDtypeStruct((m, d), residual.dtype),
+               jax.ShapeDtypeStruct((rows_out, d), residual.dtype))
   if quantize is not None:
     out_types += (jax.ShapeDtypeStruct((rows_out, d), FP8),
                   jax.ShapeDtypeStruct((rows_out,), jnp.float32))
