@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maverick import kernel_attention
 from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
 from maverick import moe
@@ -356,7 +357,7 @@ class Attention(nnx.Module):
           kv_scales = dict(k_scale=view[2], v_scale=view[3])
         elif view[0].dtype == quant_lib.FP8:
           kv_scales = static_scales
-        out = kernels_lib.cache_attention(q, view[0], view[1], positions_bt,
+        out = kernel_attention.cache_attention(q, view[0], view[1], positions_bt,
                                           self.chunk_size, tree, kv_scales, self.kernels,
                                           sharding_plan.plan_of(self), block_table,
                                           quantize_for=self._o_quantize_for())
@@ -372,7 +373,7 @@ class Attention(nnx.Module):
     T = x_btd.shape[1]
     if positions_from_zero:
       deq = lambda x, s: x if s is None else quant_lib.dequantize(x, s, (-1,), q.dtype)
-      out = kernels_lib.prefill_attention(q, deq(k, new_scales.get("k_scale")),
+      out = kernel_attention.prefill_attention(q, deq(k, new_scales.get("k_scale")),
                                           deq(v, new_scales.get("v_scale")), self.chunk_size,
                                           self.kernels, sharding_plan.plan_of(self))
       if out is not None:
@@ -407,7 +408,7 @@ class Attention(nnx.Module):
 
   def _o_quantize_for(self):
     """(N, ub) when o is an FP8 GEMM that quantizes its input per token (the attention kernel
-    then writes those rows: `kernels_lib.cache_attention`), else None."""
+    then writes those rows: `kernel_attention.cache_attention`), else None."""
     ub = kernels_lib.fp8_input_ub(self.quant)
     if ub is None or _value(self.o_scale) is None or _value(self.o_input_scale) is not None:
       return None

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from maverick import fused_mlp
+from maverick import kernel_moe
 from maverick import kernels as kernels_lib
 from maverick.quant import contraction
 from maverick.quant import ops as quant_lib
@@ -161,7 +162,7 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   quantized = scales is not None and any(s is not None for s in scales)
   static = quantized and quant is not None and quant.static_activations
   if kernels != "xla":
-    y = kernels_lib.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels,
+    y = kernel_moe.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels,
                                 scales=scales if quantized else None, quant=quant,
                                 input_scales=input_scales if static else None,
                                 keep_row_padding=keep_row_padding)
@@ -287,7 +288,7 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
     x = jax.lax.all_gather(x_own, ex, axis=0, tiled=True) if dp_experts else x_own
     routed = None
     if top_k == 1 and r_scale is None:
-      routed = kernels_lib.route_top1(x, router, kernels)
+      routed = kernel_moe.route_top1(x, router, kernels)
     if routed is None:
       routed = route(x, router, top_k, router_scale=r_scale, quant=quant,
                      router_input_scale=r_in)[:2]

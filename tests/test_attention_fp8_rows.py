@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
+from maverick import kernel_attention
 from maverick import kernels as kernels_lib
 from maverick import model as model_lib
 from maverick import quant
@@ -151,7 +152,7 @@ def test_epilogue_has_its_own_self_check(monkeypatch, tmp_path):
     with (pallas_kernels.interpret(), selfcheck.force(), kernels_lib.fused_forward(),
           warnings.catch_warnings(record=True) as ws):
       warnings.simplefilter("always")
-      y = kernels_lib.cache_attention(q, k_cache, v_cache, positions, None, None, {}, None,
+      y = kernel_attention.cache_attention(q, k_cache, v_cache, positions, None, None, {}, None,
                                       quantize_for=(256, True))
       rows = kernels_lib.quantized_rows(y, None)
     fallbacks = [w for w in ws if issubclass(w.category, selfcheck.KernelFallbackWarning)]

@@ -84,6 +84,7 @@ def test_tp8_moe_routes_on_the_kernels_from_the_sites_padded_rows(reference_kern
   maverick.moe.route (XLA). Entries run their XLA references (multi-device interpret mode does
   not run Mosaic kernels; the kernels are tested above)."""
   from maverick import config as config_lib
+  from maverick import kernel_moe
   from maverick import kernels as kernels_lib
   from maverick import model as model_lib
   from maverick import quant, sharding
@@ -116,7 +117,7 @@ def test_tp8_moe_routes_on_the_kernels_from_the_sites_padded_rows(reference_kern
   assert len(routes) == 2 and len(router_gemms) == 2, calls  # prefill, decode
   assert router_gemms[1][0] == (64, D), router_gemms  # decode: the site's padded rows
   with monkeypatch.context() as m:
-    m.setattr(kernels_lib, "route_top1", lambda *a, **k: None)
+    m.setattr(kernel_moe, "route_top1", lambda *a, **k: None)
     (prefill0, step0), calls0 = run()
   assert not [c for c in calls0 if c[0] == "route_top1"]
   np.testing.assert_array_equal(prefill, prefill0)

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from maverick import kernel_attention
+from maverick import kernel_moe
 from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
@@ -142,20 +144,20 @@ def test_probes_of_the_attention_and_expert_kernels_pass():
   rng = np.random.default_rng(2)
   bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
   q, k, v = bf(1, 70, 4, 64), bf(1, 70, 1, 64), bf(1, 70, 1, 64)
-  _probe_passes(lambda: kernels_lib.prefill_attention(q, k, v, 32, None))
+  _probe_passes(lambda: kernel_attention.prefill_attention(q, k, v, 32, None))
   selfcheck.clear_memory()
 
   cache_k, cache_v = bf(2, 128, 1, 64), bf(2, 128, 1, 64)
   positions = jnp.asarray([[40, 41], [90, 91]], jnp.int32)
-  _probe_passes(lambda: kernels_lib.cache_attention(bf(2, 2, 4, 64), cache_k, cache_v, positions,
-                                                    None, None, {}, None))
+  _probe_passes(lambda: kernel_attention.cache_attention(bf(2, 2, 4, 64), cache_k, cache_v,
+                                                         positions, None, None, {}, None))
   selfcheck.clear_memory()
 
   R = 5
   tree = TreeMask(start=jnp.asarray([30, 60], jnp.int32),
                   positions=jnp.asarray([[30, 31, 31, 32, 32], [60, 61, 62, 62, 63]], jnp.int32),
                   visible=jnp.asarray(rng.random((2, R, R)) < 0.6))
-  _probe_passes(lambda: kernels_lib.cache_attention(
+  _probe_passes(lambda: kernel_attention.cache_attention(
       bf(2, R, 4, 64), cache_k, cache_v, tree.positions, 64, tree, {}, None))
   selfcheck.clear_memory()
 
@@ -163,7 +165,7 @@ def test_probes_of_the_attention_and_expert_kernels_pass():
   experts = [bf(E, D, F), bf(E, D, F), bf(E, F, D)]
   top_idx = jnp.asarray(rng.integers(0, E, (N, top)), jnp.int32)
   scores = jnp.asarray(rng.random((N, top)), jnp.bfloat16)
-  _probe_passes(lambda: kernels_lib.moe_experts(bf(N, D), top_idx, scores, *experts, None))
+  _probe_passes(lambda: kernel_moe.moe_experts(bf(N, D), top_idx, scores, *experts, None))
 
 
 @pytest.mark.slow
@@ -188,7 +190,7 @@ def test_probes_of_the_static_fp8_kernels_pass():
   top_idx = jnp.asarray(rng.integers(0, E, (N, 1)), jnp.int32)
   scores = jnp.asarray(rng.random((N, 1)), jnp.bfloat16)
   for qc in (static, dynamic):
-    _probe_passes(lambda: kernels_lib.moe_experts(
+    _probe_passes(lambda: kernel_moe.moe_experts(
         x[:N], top_idx, scores, *experts, None, scales=(ones(E, F), ones(E, F), ones(E, D)),
         quant=qc, input_scales=(si, si, si)))
     selfcheck.clear_memory()
@@ -304,8 +306,8 @@ def _paged_call(fp8: bool):
   q = jnp.asarray(rng.standard_normal((2, 2, 4, 64)), jnp.bfloat16)
   table = jnp.asarray([[4, 1], [0, 5]], jnp.int32)
   positions = jnp.asarray([[140, 141], [90, 91]], jnp.int32)
-  return kernels_lib.cache_attention(q, pool(), pool(), positions, None, None, scales, None,
-                                     block_table=table)
+  return kernel_attention.cache_attention(q, pool(), pool(), positions, None, None, scales, None,
+                                          block_table=table)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

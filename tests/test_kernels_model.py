@@ -27,6 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import pallas_kernels
 from pallas_kernels import common, grouped_gemm
 from maverick import config as config_lib
+from maverick import kernel_moe
 from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
 from maverick import model as model_lib
@@ -455,8 +456,8 @@ def test_paged_decode_reads_pools_through_the_table(monkeypatch):
   covered above; interpret mode is slow)."""
   from pallas_kernels.decode_attention import api as decode_api
   # kernels is linear's 6th and moe_experts' 7th positional argument
-  for name, i in (("linear", 5), ("moe_experts", 6)):
-    monkeypatch.setattr(kernels_lib, name, lambda *a, _f=getattr(kernels_lib, name), _i=i, **kw:
+  for module, name, i in ((kernels_lib, "linear", 5), (kernel_moe, "moe_experts", 6)):
+    monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _i=i, **kw:
                         _f(*a[:_i], "xla", *a[_i + 1:], **kw))
   gathers, paged_calls = [], []
   real_gather, real_paged = kvc.gather, decode_api._pallas_paged

@@ -26,6 +26,8 @@ from flax import nnx
 
 import pallas_kernels
 from maverick import config as config_lib
+from maverick import kernel_attention
+from maverick import kernel_moe
 from maverick import kernels as kernels_lib
 from maverick import multi_linear
 from maverick import kv_cache as kvc
@@ -256,9 +258,9 @@ def test_kernels_at_tp8_shard_shapes_in_interpret_mode():
   calls = {
       "q": lambda kn: kernels_lib.linear("btd,dhk->bthk", x, wq, None, None, kn),
       "o": lambda kn: kernels_lib.linear("bthk,hkd->btd", xo, wo, None, None, kn),
-      "moe": lambda kn: kernels_lib.moe_experts(xm, top, scores, gate, up, down, kn),
-      "prefill": lambda kn: kernels_lib.prefill_attention(q, k, v, 64, kn),
-      "decode": lambda kn: kernels_lib.cache_attention(qd, kc, vc, pos, 64, None, {}, kn)}
+      "moe": lambda kn: kernel_moe.moe_experts(xm, top, scores, gate, up, down, kn),
+      "prefill": lambda kn: kernel_attention.prefill_attention(q, k, v, 64, kn),
+      "decode": lambda kn: kernel_attention.cache_attention(qd, kc, vc, pos, 64, None, {}, kn)}
   refs = {
       "q": jnp.einsum("btd,dhk->bthk", x, wq), "o": jnp.einsum("bthk,hkd->btd", xo, wo),
       "moe": moe.moe_experts(xm, top, scores, gate, up, down, kernels="xla"),
@@ -288,9 +290,9 @@ def test_paged_decode_kernel_gets_local_pools_and_table(monkeypatch, layout, mes
     return original(*args, **dict(kw, implementation="xla"))
   monkeypatch.setattr(decode_attention, "decode_attention_paged", ref)
   monkeypatch.setattr(multi_linear, "linear_many", lambda *a, **kw: None)
-  for name, i in (("linear", 5), ("moe_experts", 6)):  # the kernels argument
-    monkeypatch.setattr(kernels_lib, name, lambda *a, _f=getattr(kernels_lib, name), _i=i, **kw:
-                        _f(*a[:_i], "xla", *a[_i + 1:], **kw))
+  for module, name, i in ((kernels_lib, "linear", 5), (kernel_moe, "moe_experts", 6)):
+    monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _i=i, **kw:
+                        _f(*a[:_i], "xla", *a[_i + 1:], **kw))  # [_i]: the kernels argument
   monkeypatch.setattr(kernels_lib, "fuses_residual_norm", lambda *a: False)
   model = _sharded(layout, mesh_kw)
   plan = sharding.plan_of(model)
