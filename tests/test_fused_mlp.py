@@ -209,3 +209,26 @@ def test_tp8_moe_site_takes_the_routed_and_shared_products_as_two_terms(referenc
   assert terms.count(min(terms) + 1) == 2, terms  # the MoE layer's site, prefill and decode
   np.testing.assert_array_equal(prefill, prefill0)
   np.testing.assert_array_equal(step, step0)
+
+
+def test_self_check_compares_finished_products_for_a_fused_site(monkeypatch, tmp_path):
+  """Auto mode: the probe of the MLP a fused site takes as K-split partials (8 interpreted SMs:
+  the down GEMM splits K in two) compares the finished [rows, D] products of both paths (the
+  site's [2, R, D] partials and XLA's [1, R, D] product differ in shape), passes, and the
+  kernels run: no KernelFallbackWarning. Mutant: the probe run keeping the partials."""
+  import warnings
+  from pallas_kernels import selfcheck
+  monkeypatch.setenv("MAVERICK_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(common, "INTERPRET_NUM_SMS", 8)
+  rng = np.random.default_rng(7)
+  (gate, up, down), scales = _weights(rng, 256, 1024)
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+  selfcheck.clear_memory()
+  with (pallas_kernels.interpret(detect_races=False), selfcheck.force(),
+        warnings.catch_warnings(record=True) as ws):
+    warnings.simplefilter("always")
+    partials = fused_mlp.local_partials(x, gate, up, down, *scales, quant=quant.QuantConfig(),
+                                        kernels=None)
+  assert not [w for w in ws if issubclass(w.category, selfcheck.KernelFallbackWarning)], [str(w.message) for w in ws]
+  assert selfcheck.probes_run == 1 and partials is not None and partials.shape == (2, 64, 256)
+  selfcheck.clear_memory()
