@@ -80,8 +80,8 @@ def test_support_and_bad_input():
 def test_tp8_moe_routes_on_the_kernels_from_the_sites_padded_rows(reference_kernels, monkeypatch):
   """A TP8 FP8 model's MoE layer routes through the router GEMM (bf16, [D, E] as stored) and
   the routing op, the GEMM reading the fused site's normed rows already padded to its tile (at
-  decode: 64 rows for 2 tokens, no pad launch); prefill and decode logits equal the run routed by
-  maverick.moe.route (XLA). Entries run their XLA references (multi-device interpret mode does
+  decode: 64 rows for 2 tokens, no pad launch); prefill and decode logits match the run routed
+  by maverick.moe.route (XLA). Entries run their XLA references (multi-device interpret mode does
   not run Mosaic kernels; the kernels are tested above)."""
   from maverick import config as config_lib
   from maverick import kernel_moe
@@ -120,5 +120,10 @@ def test_tp8_moe_routes_on_the_kernels_from_the_sites_padded_rows(reference_kern
     m.setattr(kernel_moe, "route_top1", lambda *a, **k: None)
     (prefill0, step0), calls0 = run()
   assert not [c for c in calls0 if c[0] == "route_top1"]
-  np.testing.assert_array_equal(prefill, prefill0)
-  np.testing.assert_array_equal(step, step0)
+  # Equal on this host (measured: bit for bit), but the router GEMM's reference runs on 64
+  # padded rows where moe.route's einsum runs on the token rows: another x86 host's XLA:CPU may
+  # order the f32 sums apart and land a bf16 logit a step away (a score one bf16 step off, or a
+  # near-tie routed apart). Bound: a bf16 step's worth; a wrong expert or score is O(1) off.
+  for got, want in ((prefill, prefill0), (step, step0)):
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
