@@ -38,7 +38,7 @@ def _model(**sharded):
 def test_decode_attention_quantizes_the_o_input_and_logits_are_unchanged(monkeypatch):
   """FP8 model, kernel path in interpret mode: at decode (8 rows) no quantization of an
   attention output row [H * Dh] is traced (prefill's o still quantizes its own: prefill
-  attention has no epilogue), and the logits equal the run with the epilogue off."""
+  attention has no epilogue), and the logits match the run with the epilogue off."""
   model = _model()
   cfg = model.config
   width = cfg.num_attention_heads * HEAD_DIM
@@ -62,8 +62,13 @@ def test_decode_attention_quantizes_the_o_input_and_logits_are_unchanged(monkeyp
     m.setattr(decode_attention, "supports_quantize", lambda heads, dh: False)
     (prefill0, step0), o_rows0 = run()
   assert o_rows0 == [(24, width)] * 2 + [(8, width)] * 2, o_rows0
-  np.testing.assert_array_equal(prefill, prefill0)
-  np.testing.assert_array_equal(step, step0)
+  # Bit for bit on the hosts seen (both quantize the same bf16 rows with the same f32 math); the
+  # two combine kernels are different programs, whose multiply-adds another host's XLA:CPU may
+  # contract into FMAs apart, a bf16 step of the attention output and then an e4m3 step: allow
+  # a hundredth of the logits' range (a wrong scale or row is off by far more).
+  np.testing.assert_array_equal(prefill, prefill0)  # prefill: no epilogue on either side
+  np.testing.assert_allclose(step, step0, rtol=0, atol=1e-2 * np.abs(step0).max())
+  assert np.mean(step.argmax(-1) == step0.argmax(-1)) >= 0.9
 
 
 @pytest.mark.slow

@@ -101,9 +101,10 @@ def test_combine_quantize_matches_float64(P, B, K, T, G, rows_out, ub):
   assert y.shape == (B, T, K * G, Dh) and y.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(y, np.float64), _np_combine(out, lse, B, K, T, G),
                              atol=ATOL, rtol=RTOL)
-  # The quantize grid's y is the per-row grid's, bit for bit.
-  np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)),
-                                np.asarray(y_plain.astype(jnp.float32)))
+  # The quantize grid's y is the per-row grid's (bit for bit on the hosts seen; another host's
+  # XLA:CPU may contract the same multiply-adds into FMAs differently: one bf16 step allowed).
+  np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)),
+                             np.asarray(y_plain.astype(jnp.float32)), rtol=2.0 ** -7, atol=0)
   assert np.all(np.asarray(y)[B - 1, 0, (K - 1) * G] == 0)
   _check_quantized(q, s, y, rows_out, ub)
   _check_pad_rows(q, s, B * T, ub)
