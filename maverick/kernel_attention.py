@@ -56,7 +56,7 @@ def prefill_attention(q, k, v, chunk_size: int | None, kernels: str | None, plan
 
 def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tree,
                     kv_scales: dict, kernels: str | None, plan=None, block_table=None,
-                    quantize_for: tuple[int, float | bool] | None = None):
+                    quantize_for: tuple[int, float | bool] | None = None, q_packed=None):
   """Decode / verify / tree-verify attention of T new queries over the KV cache, or None.
   `block_table` [B, M]: the cache is paged, k_cache/v_cache (and any kv_scales) are the layer's
   pools [N, bs, K, ...] and the kernel reads them through the table (no gather); a None return
@@ -66,7 +66,8 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
   `quantize_for` = (N, ub as `Fuse.quantize_ub`): the output feeds an FP8 GEMM to N features
   that quantizes its input per token (o): the combine kernel also writes those FP8 rows
   (`k_lib.remember_quantized`; on a sharded model each device's over its heads), saving that GEMM
-  its quantize launch."""
+  its quantize launch. `q_packed` [B, K, Mpad, Dh]: the queries already packed for the kernel
+  (`maverick.fused_attention`; `q` then gives only the shape [B, T, H, Dh])."""
   if kernels == "xla":
     return None
   if plan is not None and quantize_for is not None:
@@ -88,13 +89,21 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
 
     def local(q_, kc, vc, pos, scales, leaves, table):
       tree_ = None if tree is None else jax.tree.unflatten(treedef, leaves)
+      packed = None
+      if q_packed is not None:  # q_ is the packed shard [B, K, Mpad, Dh]
+        b, k, _, dh = q_.shape
+        packed = q_.reshape(b * k, -1, dh)
+        q_ = jax.ShapeDtypeStruct((b, q.shape[1], k * (q.shape[2] // k_cache.shape[2]), dh),
+                                  q_.dtype)
       return _local_cache_attention(q_, kc, vc, pos, chunk_size, tree_,
-                                    dict(zip(names, scales)), kernels, table, quantize_for)
+                                    dict(zip(names, scales)), kernels, table, quantize_for,
+                                    packed)
 
-    args = (q, k_cache, v_cache, q_positions, [kv_scales[n] for n in names], tree_leaves,
-            block_table)
+    args = (q if q_packed is None else q_packed, k_cache, v_cache, q_positions,
+            [kv_scales[n] for n in names], tree_leaves, block_table)
     # KV scales [B, S, K] split like the cache; tree leaves ([B], [B, R], [B, T, R]) by rows.
-    specs = (q_spec, kv_spec, kv_spec, P(rows, None),
+    packed_spec = P(rows, kv_spec[2], None, None)
+    specs = (q_spec if q_packed is None else packed_spec, kv_spec, kv_spec, P(rows, None),
              [P(kv_spec[0], None, kv_spec[2])] * len(names),
              [P(rows, *([None] * (a.ndim - 1))) for a in tree_leaves],
              P(rows, None) if paged else None)
@@ -114,8 +123,9 @@ def cache_attention(q, k_cache, v_cache, q_positions, chunk_size: int | None, tr
     y, rows, row_scales = out
     k_lib.remember_quantized(y, rows, row_scales, _ub(quantize_for[1]), specs=out_spec[1:])
     return y
+  packed = None if q_packed is None else q_packed.reshape(-1, *q_packed.shape[2:])
   out = _local_cache_attention(q, k_cache, v_cache, q_positions, chunk_size, tree, kv_scales,
-                               kernels, block_table, quantize_for)
+                               kernels, block_table, quantize_for, packed)
   if not isinstance(out, tuple):
     return out
   y, rows, row_scales = out
@@ -129,9 +139,10 @@ def _ub(quantize_ub):
 
 
 def _local_cache_attention(q, k_cache, v_cache, q_positions, chunk_size, tree, kv_scales,
-                           kernels, block_table, quantize_for):
+                           kernels, block_table, quantize_for, q_packed=None):
   """`cache_attention` on one device's shards: its output, None (XLA), or with `quantize_for`
-  where the combine kernel takes it, (output, e4m3 rows, scales)."""
+  where the combine kernel takes it, (output, e4m3 rows, scales). `q_packed` [B*K, Mpad, Dh]:
+  the packed queries (q a ShapeDtypeStruct)."""
   paged = block_table is not None
   tree_size = None if tree is None else tree.positions.shape[1]
   if paged:
@@ -146,8 +157,9 @@ def _local_cache_attention(q, k_cache, v_cache, q_positions, chunk_size, tree, k
     extras += [tree.start, tree.positions, tree.visible]
   lead = (q, k_cache, v_cache) + ((block_table,) if paged else ())
 
-  def run(implementation, q, k_cache, v_cache, *rest, quantize=None):
-    kw = dict(chunk_size=chunk_size, implementation=implementation, quantize=quantize)
+  def run(implementation, q, k_cache, v_cache, *rest, quantize=None, packed=None):
+    kw = dict(chunk_size=chunk_size, implementation=implementation, quantize=quantize,
+              q_packed=packed)
     if paged:
       return decode.decode_attention_paged(q, k_cache, v_cache, *rest[:2], **kw,
                                            **dict(zip(names, rest[2:])))
@@ -192,7 +204,7 @@ def _local_cache_attention(q, k_cache, v_cache, q_positions, chunk_size, tree, k
   if not k_lib.use_pallas(kernels, ok, probe):
     return None
   quantize = _attention_quantize(q, quantize_for, kernels, probe, run)
-  return run("pallas", *lead, q_positions, *extras, quantize=quantize)
+  return run("pallas", *lead, q_positions, *extras, quantize=quantize, packed=q_packed)
 
 
 def _attention_quantize(q, quantize_for, kernels, probe, run):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maverick import fused_attention
 from maverick import kernel_attention
 from maverick import kernels as kernels_lib
 from maverick import kv_cache as kvc
@@ -322,6 +323,12 @@ class Attention(nnx.Module):
     site fuses (see DecoderLayer). `block_table` [B, M]: the cache is paged (kv_cache.PagedKVCache:
     `layer_cache` holds the block pools); new entries are scattered through the table; the decode
     kernel reads the pools through the table, the XLA path the gathered contiguous view."""
+    if layer_cache is not None and attend_to_cache and attention_fn is None:
+      fused = self._fused_decode(x_btd, positions_bt, layer_cache, cache_lengths, block_table,
+                                 tree)
+      if fused is not None:
+        out, new_cache = fused
+        return self.output(out, fuse), new_cache
     q, k, v = self.project(x_btd, positions_bt)
     static_scales, new_scales = None, {}
     if self.k_cache_scale is not None:
@@ -384,6 +391,21 @@ class Attention(nnx.Module):
       out = attention(q, k, v, attention_mask(positions_bt, positions_bt, self.chunk_size),
                       **new_scales)
     return self.output(out, fuse), new_cache
+
+  def _fused_decode(self, x_btd, positions_bt, layer_cache, cache_lengths, block_table, tree):
+    """The kernel path's decode / verify attention in four launches (maverick.fused_attention),
+    or None."""
+    if self.kernels == "xla":
+      return None
+    static = None
+    if self.k_cache_scale is not None:
+      static = (self.k_cache_scale[...], self.v_cache_scale[...])
+    ws = (self.q, self.k, self.v)
+    return fused_attention.decode_attention(
+        self, x_btd, positions_bt, layer_cache, cache_lengths, block_table, tree, static,
+        tuple(_placement(self, w) for w in ws), tuple(w[...] for w in ws),
+        tuple(_value(s) for s in (self.q_scale, self.k_scale, self.v_scale)),
+        tuple(_value(i) for i in (self.q_input_scale, self.k_input_scale, self.v_input_scale)))
 
   def project(self, x_btd, positions_bt):
     """q [B,T,H,Dh] and k, v [B,T,K,Dh] with RoPE, QK norm and temperature tuning applied."""

@@ -34,7 +34,7 @@ from maverick import kv_cache as kvc
 from maverick import model as model_lib
 from maverick import sharding
 from pallas_kernels import (allreduce_norm, common, decode_attention, gemm, grouped_gemm,
-                            moe_route, prefill_attention, quantize_rows)
+                            moe_route, prefill_attention, qkv_finish, quantize_rows)
 from test_sharding import collectives
 
 B, T, CAPACITY = 2, 40, 128
@@ -57,8 +57,11 @@ _ENTRY_POINTS = [(gemm, "gemm"), (gemm, "gemm_many"), (grouped_gemm, "grouped_sw
                  # the MoE router's GEMM, then its top-1 routing:
                  (gemm, "gemm_many_partials"), (moe_route, "route_top1"),
                  # FP8 models only (maverick.fused_mlp, the per-token quantization):
-                 (quantize_rows, "swiglu_quantize_rows"), (quantize_rows, "quantize_rows")]
+                 (quantize_rows, "swiglu_quantize_rows"), (quantize_rows, "quantize_rows"),
+                 # head_dim 128 only (maverick.fused_attention; tests/test_fused_attention.py):
+                 (qkv_finish, "qkv_finish")]
 FP8_ONLY = {"swiglu_quantize_rows", "quantize_rows"}
+HEAD_DIM_128_ONLY = {"qkv_finish"}
 
 
 @pytest.fixture
@@ -121,7 +124,8 @@ def test_kernel_path_matches_sharded_xla(reference_kernels, layout, mesh_kw, loc
   for name, shapes, *_ in reference_kernels:
     calls.setdefault(name, set()).add(shapes)
   # 8 experts: not the routing kernel's warpgroup of 128 (moe.route's XLA routing runs).
-  assert set(calls) == {name for _, name in _ENTRY_POINTS} - FP8_ONLY - {"route_top1"}, set(calls)
+  assert set(calls) == ({name for _, name in _ENTRY_POINTS} - FP8_ONLY - HEAD_DIM_128_ONLY
+                        - {"route_top1"}), set(calls)
   r, h, e, f = local["rows"], local["heads"], local["experts"], local["width"]
   assert calls["prefill_attention"] == {((r, T, h, 64),) * 3}
   assert calls["decode_attention"] == {((r, 1, h, 64), (r, CAPACITY, h, 64),

@@ -122,6 +122,35 @@ def _kernel_module(arch: str):
   return kernel
 
 
+def packed_rows(steps: int, heads: int, kv_heads: int, arch: str | None = None) -> int:
+  """Mpad: the packed query rows per (row, KV head) the kernel on `arch` (default the target)
+  reads for `steps` tokens: T * G rounded up to its row tile. `q_packed` has this many."""
+  block_m = _kernel_module(arch or common.target_arch()).BLOCK_M
+  return -(-steps * (heads // kv_heads) // block_m) * block_m
+
+
+def _unpack(q_packed, q_shape):
+  """[B*K, Mpad, Dh] packed queries -> q [B, T, H, Dh] (the XLA path's input)."""
+  B, T, H, Dh = q_shape
+  K = q_packed.shape[0] // B
+  G = H // K
+  return q_packed[:, :T * G].reshape(B, K, T, G, Dh).transpose(0, 2, 1, 3, 4).reshape(q_shape)
+
+
+def _packed(q, q_packed, num_kv_heads):
+  """(q as an array or its ShapeDtypeStruct, keyword arguments for _pallas) for a call given
+  q_packed or not."""
+  if q_packed is None:
+    return q, {}
+  B, T, H, Dh = q.shape
+  mpad = packed_rows(T, H, num_kv_heads)
+  common.check(q_packed.shape == (B * num_kv_heads, mpad, Dh)
+               and jnp.dtype(q_packed.dtype) == jnp.bfloat16,
+               f"q_packed: got {_shape(q_packed)}; expected bfloat16 [B*K={B * num_kv_heads}, "
+               f"{mpad}, {Dh}] (qkv_finish with mpad=packed_rows(T, H, K))")
+  return q_packed, {"q_shape": tuple(q.shape)}
+
+
 def _pack_rows(x, G, Mpad, fill):
   """[B, T, ...] per-query values -> [B, Mpad, ...] per packed row m = t * G + g."""
   x = jnp.repeat(x, G, axis=1)
@@ -139,21 +168,24 @@ def default_num_splits(work_items: int, num_kv_blocks: int) -> int:
 # One jit over the packing, the kernel and the combine (eager jnp ops would each compile).
 # mode = (interpreting, arch, consumer warpgroups, K/V stages) is static: interpreted and GPU executables never
 # share a cache entry.
-@functools.partial(jax.jit,
-                   static_argnames=("chunk_size", "num_splits", "sm_scale", "mode", "quantize"))
+_STATIC = ("chunk_size", "num_splits", "sm_scale", "mode", "quantize", "q_shape")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
-            tree_positions, tree_visible, num_splits, sm_scale, mode, quantize=None):
+            tree_positions, tree_visible, num_splits, sm_scale, mode, quantize=None,
+            q_shape=None):
   return _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
-              tree_positions, tree_visible, num_splits, sm_scale, mode, None, quantize)
+              tree_positions, tree_visible, num_splits, sm_scale, mode, None, quantize, q_shape)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("chunk_size", "num_splits", "sm_scale", "mode", "quantize"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _pallas_paged(q, k_pool, v_pool, block_table, q_positions, chunk_size, k_scale, v_scale,
                   tree_start, tree_positions, tree_visible, num_splits, sm_scale, mode,
-                  quantize=None):
+                  quantize=None, q_shape=None):
   return _run(q, k_pool, v_pool, q_positions, chunk_size, k_scale, v_scale, tree_start,
-              tree_positions, tree_visible, num_splits, sm_scale, mode, block_table, quantize)
+              tree_positions, tree_visible, num_splits, sm_scale, mode, block_table, quantize,
+              q_shape)
 
 
 def _split_tiles(block_table, block_size, split_first, num_blocks, per_max):
@@ -176,11 +208,12 @@ def _split_tiles(block_table, block_size, split_first, num_blocks, per_max):
 
 
 def _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
-         tree_positions, tree_visible, num_splits, sm_scale, mode, block_table, quantize=None):
+         tree_positions, tree_visible, num_splits, sm_scale, mode, block_table, quantize=None,
+         q_shape=None):
   """The kernel on a contiguous cache (block_table None) or on pools + block table; with
-  `quantize`, (y, q, s)."""
+  `quantize`, (y, q, s). `q_shape`: q is already packed (see decode_attention's q_packed)."""
   kernel = _kernel_module(mode[1])
-  B, T, H, Dh = q.shape
+  B, T, H, Dh = q.shape if q_shape is None else q_shape
   K = k_cache.shape[2]
   if block_table is None:
     S = k_cache.shape[1]
@@ -202,8 +235,11 @@ def _run(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_st
     chunk_start = jnp.zeros_like(q_positions)
   else:
     chunk_start = (q_positions // chunk_size) * chunk_size
-  q_packed = q.reshape(B, T, K, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B * K, M, Dh)
-  q_packed = jnp.pad(q_packed, ((0, 0), (0, Mpad - M), (0, 0)))
+  if q_shape is None:
+    q_packed = q.reshape(B, T, K, G, Dh).transpose(0, 2, 1, 3, 4).reshape(B * K, M, Dh)
+    q_packed = jnp.pad(q_packed, ((0, 0), (0, Mpad - M), (0, 0)))
+  else:
+    q_packed = q
   pos_rows = _pack_rows(q_positions, G, Mpad, -1)  # padded rows see nothing
   cs_rows = _pack_rows(chunk_start, G, Mpad, 0)
 
@@ -295,7 +331,7 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
                      k_scale=None, v_scale=None, tree_start=None, tree_positions=None,
                      tree_visible=None, num_splits: int | None = None,
                      sm_scale: float | None = None, implementation: str | None = None,
-                     quantize: tuple[int, float | None] | None = None):
+                     quantize: tuple[int, float | None] | None = None, q_packed=None):
   """q [B,T,H,Dh] bf16; k_cache/v_cache [B,S,K,Dh] bf16 or float8_e4m3fn (then k_scale/v_scale
   [B,S,K] f32); q_positions [B,T] int. Optional chunk_size (chunked layers), tree block
   (tree_start [B], tree_positions [B,R], tree_visible [B,T,R] bool), num_splits (split-K; auto
@@ -307,7 +343,11 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
   `quantize` (rows_out >= B*T, ub None or > 0): returns (y, q, s), q e4m3 [rows_out, H*Dh] and
   s f32 [rows_out] = quantize_rows.reference.quantize_rows(y.reshape(B*T, H*Dh), rows_out, ub):
   the O-projection's FP8 input, written by the combine kernel where it takes the token row
-  (combine.supports_quantize), else quantized by XLA after it."""
+  (combine.supports_quantize), else quantized by XLA after it.
+
+  `q_packed` [B*K, packed_rows(T, H, K), Dh] bf16: the queries already packed as the kernel reads
+  them (`qkv_finish`'s output: kv head k of row b at [b*K + k], query head g at row t*G + g, the
+  rest zero); `q` then gives only the shape (a ShapeDtypeStruct will do). Saves the pack launch."""
   _validate(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
             tree_positions, tree_visible, num_splits)
   B, T, H, Dh = q.shape
@@ -320,15 +360,17 @@ def decode_attention(q, k_cache, v_cache, q_positions, *, chunk_size: int | None
       arch=common.runnable_arch(), interpreting=interpreting,
       compute_wgs=INTERPRET_COMPUTE_WGS if interpreting else COMPUTE_WGS)
   impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
+  q_arg, packed_kw = _packed(q, q_packed, k_cache.shape[2])
   if impl == "xla":
+    q = q if q_packed is None else _unpack(q_packed, q.shape)
     return _quantize_xla(reference.decode_attention(
         q, k_cache, v_cache, q_positions, chunk_size=chunk_size, k_scale=k_scale,
         v_scale=v_scale, tree_start=tree_start, tree_positions=tree_positions,
         tree_visible=tree_visible, sm_scale=sm_scale), quantize)
   mode = (interpreting, common.target_arch(), plan.config.compute_wgs, plan.config.stages)
-  return _pallas(q, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
+  return _pallas(q_arg, k_cache, v_cache, q_positions, chunk_size, k_scale, v_scale, tree_start,
                  tree_positions, tree_visible, num_splits, sm_scale, mode,
-                 **_quantize_kw(quantize))
+                 **_quantize_kw(quantize), **packed_kw)
 
 
 def pallas_support(q, k_cache, tree_size: int | None = None, *, arch: str | None = None
@@ -360,14 +402,14 @@ def decode_attention_paged(q, k_pool, v_pool, block_table, q_positions, *,
                            tree_start=None, tree_positions=None, tree_visible=None,
                            num_splits: int | None = None, sm_scale: float | None = None,
                            implementation: str | None = None,
-                           quantize: tuple[int, float | None] | None = None):
+                           quantize: tuple[int, float | None] | None = None, q_packed=None):
   """decode_attention over a paged cache: k_pool/v_pool [N, bs, K, Dh] (FP8: k_scale/v_scale
   [N, bs, K]) and block_table [B, M] int32: slot s of row b (position s, as in the contiguous
   cache of M * bs slots) is pool[block_table[b, s // bs], s % bs]; entries < 0 hold no block
   and must lie outside every query's mask. The kernel reads each 64-slot KV tile straight from
   its block (bs must be a multiple of 64; see plan.py), never materialising the contiguous
   view; "xla" gathers that view (reference.gather_pages) and runs the reference. `quantize`:
-  as decode_attention's, returns (y, q, s)."""
+  as decode_attention's, returns (y, q, s); `q_packed` as decode_attention's."""
   _validate_paged(k_pool, v_pool, block_table, k_scale, v_scale)
   B = q.shape[0]
   common.check(block_table.shape[0] == B,
@@ -388,16 +430,18 @@ def decode_attention_paged(q, k_pool, v_pool, block_table, q_positions, *,
       compute_wgs=INTERPRET_COMPUTE_WGS if interpreting else COMPUTE_WGS,
       block_size=k_pool.shape[1])
   impl = common.resolve(implementation, supported=plan.supported, why=plan.why)
+  q_arg, packed_kw = _packed(q, q_packed, k_pool.shape[2])
   if impl == "xla":
+    q = q if q_packed is None else _unpack(q_packed, q.shape)
     gather = lambda x: None if x is None else reference.gather_pages(x, block_table)
     return _quantize_xla(reference.decode_attention(
         q, gather(k_pool), gather(v_pool), q_positions, chunk_size=chunk_size,
         k_scale=gather(k_scale), v_scale=gather(v_scale), tree_start=tree_start,
         tree_positions=tree_positions, tree_visible=tree_visible, sm_scale=sm_scale), quantize)
   mode = (interpreting, common.target_arch(), plan.config.compute_wgs, plan.config.stages)
-  return _pallas_paged(q, k_pool, v_pool, block_table.astype(jnp.int32), q_positions,
+  return _pallas_paged(q_arg, k_pool, v_pool, block_table.astype(jnp.int32), q_positions,
                        chunk_size, k_scale, v_scale, tree_start, tree_positions, tree_visible,
-                       num_splits, sm_scale, mode, **_quantize_kw(quantize))
+                       num_splits, sm_scale, mode, **_quantize_kw(quantize), **packed_kw)
 
 
 def pallas_support_paged(q, k_pool, block_table, tree_size: int | None = None, *,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import common
 from pallas_kernels.common import check
@@ -112,8 +113,9 @@ def qkv_finish(q_p, k_p, v_p, positions, starts, caches, *, num_heads: int, num_
   B, T = positions.shape
   dh = q_p.shape[-1] // num_heads
   pairs = lambda x, heads: x.reshape(x.shape[:2] + (heads, dh // 2, 2))
-  freq = (jnp.ones((dh // 2,), jnp.float32) if layer.inv_freq is None
-          else jnp.asarray(layer.inv_freq, jnp.float32))
+  # A NumPy constant: no broadcast launch (NoPE layers read ones they do not use).
+  freq = np.ones(dh // 2, np.float32) if layer.inv_freq is None else np.asarray(layer.inv_freq,
+                                                                                np.float32)
   caches = tuple(c.reshape(c.shape[:3] + (dh // 2, 2)) if i < 2 else c
                  for i, c in enumerate(caches))
   statics = None if static_scales is None else jnp.stack(
@@ -121,7 +123,7 @@ def qkv_finish(q_p, k_p, v_p, positions, starts, caches, *, num_heads: int, num_
   q, out = _KERNEL(
       pairs(q_p, num_heads), pairs(k_p, num_kv_heads), pairs(v_p, num_kv_heads),
       positions.astype(jnp.int32).reshape(B * T), starts.astype(jnp.int32),
-      jnp.broadcast_to(freq, (2, dh // 2)), caches,
+      jnp.asarray(np.ascontiguousarray(np.broadcast_to(freq, (2, dh // 2)))), caches,
       None if block_table is None else block_table.astype(jnp.int32), statics,
       batch=B, steps=T, **kw)
   out = tuple(c.reshape(c.shape[:3] + (dh,)) if i < 2 else c for i, c in enumerate(out))
