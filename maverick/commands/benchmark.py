@@ -21,6 +21,10 @@ How it measures (two phases, so compilation never lands in a timed region):
      --profile_dir traces this phase only.
 Prompts are the first N tokens of held-out Python stdlib files (the validation split the embedded
 model never trained on). Writes <out_dir>/benchmark_<device>.{json,md} and two PNG plots.
+
+Run as `maverick-benchmark` (an installed maverick-jax's console script), as
+`python -m maverick.commands.benchmark`, or from a source checkout as
+`python scripts/benchmark.py`.
 """
 
 from __future__ import annotations
@@ -33,13 +37,9 @@ import statistics
 import sys
 import time
 
-from absl import app
 from absl import flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from maverick import gpu_flags  # noqa: E402  (after the sys.path line)
+from maverick import gpu_flags
 
 gpu_flags.configure()  # before anything starts a jax backend (XLA reads XLA_FLAGS once)
 
@@ -68,7 +68,7 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 =
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                            "Compute/parameter dtype. Default: the checkpoint's.")
-_OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(REPO, "benchmarks", "results"),
+_OUT_DIR = flags.DEFINE_string("out_dir", cli.default_path("benchmarks", "results"),
                                "Where benchmark_<device>.{json,md} and the PNG plots go.")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", None, "If set, writes a jax.profiler trace of the timed phase here (open with "
@@ -136,10 +136,10 @@ def draft_shapes(ks, trees) -> list[DraftShape]:
 
 def make_runner(shape: DraftShape, target, draft, **kw):
   """fn(prompts, max_new_tokens, stop_tokens=()) -> Generation for one draft shape."""
-  import maverick
+  from maverick import generation
   import spec_decode
   if shape.k == 0:
-    return lambda prompts, n, stop=(): maverick.generate(target, prompts, max_new_tokens=n,
+    return lambda prompts, n, stop=(): generation.generate(target, prompts, max_new_tokens=n,
                                                          stop_tokens=stop, **kw)
   if draft is None:
     raise cli.UsageError(f"{shape.label} needs a draft head and {_CHECKPOINT.value!r} has no "
@@ -372,7 +372,7 @@ def _main(argv):
   except cli.UsageError as e:
     return cli.fail("benchmark", e)
   import jax
-  import maverick
+  from maverick import loading
   import spec_decode
   from maverick import kernels as kernels_lib
   from maverick.checkpoint import CheckpointError
@@ -381,8 +381,8 @@ def _main(argv):
 
   start = time.perf_counter()
   try:
-    loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value,
-                           kernels=cli.kernels_value(_KERNELS), kv_cache=_KV_CACHE.value)
+    loaded = loading.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value,
+                          kernels=cli.kernels_value(_KERNELS), kv_cache=_KV_CACHE.value)
     if loaded.tokenizer is None:
       raise cli.UsageError(f"{_CHECKPOINT.value} has no tokenizer.json (needed to encode the "
                            "held-out prompts); copy the model's tokenizer files next to it")
@@ -429,5 +429,7 @@ def _main(argv):
   return 0
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-benchmark`
+
 if __name__ == "__main__":
-  app.run(main)
+  console_main()

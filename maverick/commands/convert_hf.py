@@ -10,19 +10,19 @@ only when the conversion succeeds.
 
 Usage:
   python scripts/convert_hf.py --hf_dir=/ckpt/Llama-4-Scout-17B-16E-Instruct --out_dir=/ckpt/scout
+
+Run as `maverick-convert` (an installed maverick-jax's console script), as
+`python -m maverick.commands.convert_hf`, or from a source checkout as
+`python scripts/convert_hf.py`.
 """
 
 import os
 import signal
-import sys
 
-from absl import app
 from absl import flags
 
 # Runnable from a source checkout without `pip install -e .`.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from maverick import cli  # noqa: E402  (after the sys.path line)
+from maverick import cli
 
 _HF_DIR = flags.DEFINE_string(
     "hf_dir", None,
@@ -108,6 +108,11 @@ def _has_vision(hf_dir: str) -> bool:
     return False  # the converter reports a missing or malformed config.json itself
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+  """The console entry point `maverick-convert`."""
   flags.mark_flags_as_required(["hf_dir", "out_dir"])
-  app.run(main)
+  cli.run_app(main, __name__)
+
+
+if __name__ == "__main__":
+  console_main()

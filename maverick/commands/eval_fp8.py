@@ -10,15 +10,15 @@ Reports, FP8 against BF16 (the reference):
   * with a draft: EAGLE-3 acceptance length with the BF16 target and with the FP8 target.
 The FP8 model is --fp8_checkpoint, or --checkpoint quantized in memory with --recipe. Its
 teacher-forced pass attends through its own (FP8) KV cache, so KV quantization is measured too.
+
+Run as `maverick-eval-fp8` (an installed maverick-jax's console script), as
+`python -m maverick.commands.eval_fp8`, or from a source checkout as
+`python scripts/eval_fp8.py`.
 """
 
 import json
-import os
-import sys
 
-from absl import app, flags
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
 from maverick import cli
 
@@ -64,7 +64,7 @@ def _main(argv):
     cli.start(argv)
   except cli.UsageError as e:
     return cli.fail("eval_fp8", e)
-  import maverick
+  from maverick import loading
   from maverick import data, evaluation, quant
   from maverick.checkpoint import CheckpointError
   from maverick.config import ConfigError
@@ -81,11 +81,11 @@ def _main(argv):
     if not files:
       raise data.CorpusError(f"no {_SUFFIX.value} files in the {_SPLIT.value!r} split of {root}")
     texts = data.read_texts(root, files)
-    ref = maverick.load(_CHECKPOINT.value)
+    ref = loading.load(_CHECKPOINT.value)
     if ref.config.quant is not None and ref.config.quant.weights is not None:
       raise ValueError(f"--checkpoint {_CHECKPOINT.value} is already FP8; pass the BF16 model")
     if _FP8_CHECKPOINT.value:
-      test_model = maverick.load(_FP8_CHECKPOINT.value).model
+      test_model = loading.load(_FP8_CHECKPOINT.value).model
       recipe = f"checkpoint {_FP8_CHECKPOINT.value}"
     else:
       qc = quant.QuantConfig(activations=_ACTIVATIONS.value, skip=RECIPES[_RECIPE.value],
@@ -142,5 +142,7 @@ def _main(argv):
   return 0
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-eval-fp8`
+
 if __name__ == "__main__":
-  app.run(main)
+  console_main()

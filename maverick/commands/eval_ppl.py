@@ -5,17 +5,16 @@
 
 Documents are cut into non-overlapping windows of --seq_len tokens (maverick/evaluation.py); bits per
 byte divides the total negative log-likelihood by the UTF-8 bytes of the text, so tokenizers compare.
+
+Run as `maverick-eval-ppl` (an installed maverick-jax's console script), as
+`python -m maverick.commands.eval_ppl`, or from a source checkout as
+`python scripts/eval_ppl.py`.
 """
 
-import os
-import sys
 
-from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from maverick import cli  # noqa: E402  (after the sys.path line)
+from maverick import cli
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny", "Model to evaluate (see generate.py).")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Folder of text files. Default: this Python's "
@@ -44,7 +43,7 @@ def _main(argv):
     cli.start(argv)
   except cli.UsageError as e:
     return cli.fail("eval_ppl", e)
-  import maverick
+  from maverick import loading
   from maverick import data, evaluation
   from maverick.checkpoint import CheckpointError
   from maverick.config import ConfigError
@@ -57,7 +56,7 @@ def _main(argv):
     if not files:
       raise data.CorpusError(f"no {_SUFFIX.value} files in the {_SPLIT.value!r} split of {root}")
     texts = data.read_texts(root, files)
-    loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, kv_cache=_KV_CACHE.value)
+    loaded = loading.load(_CHECKPOINT.value, dtype=_DTYPE.value, kv_cache=_KV_CACHE.value)
     if loaded.tokenizer is None or not hasattr(loaded.tokenizer, "hf_tokenizer"):
       raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json to tokenize text with")
     if _SEQ_LEN.value < 1 or _BATCH.value < 1:
@@ -78,5 +77,7 @@ def _main(argv):
   return 0
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-eval-ppl`
+
 if __name__ == "__main__":
-  app.run(main)
+  console_main()

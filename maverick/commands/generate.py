@@ -9,17 +9,16 @@ Examples:
 
 Prints each continuation, then compile time and generation speed (tokens/s, compile excluded).
 With --stream, prints tokens as they come, then the time to the first output and the overall speed.
+
+Run as `maverick-generate` (an installed maverick-jax's console script), as
+`python -m maverick.commands.generate`, or from a source checkout as
+`python scripts/generate.py`.
 """
 
-import os
-import sys
 
-from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from maverick import gpu_flags  # noqa: E402  (after the sys.path line)
+from maverick import gpu_flags
 
 gpu_flags.configure()  # before anything starts a jax backend (XLA reads XLA_FLAGS once)
 
@@ -133,7 +132,7 @@ def _main(argv):
     cli.start(argv)
   except cli.UsageError as e:
     return cli.fail("generate", e)
-  import maverick  # late: --help and flag errors stay instant
+  from maverick import loading  # late: --help and flag errors stay instant
   from maverick.checkpoint import CheckpointError
   from maverick.config import ConfigError
   from maverick import kernels as kernels_lib
@@ -149,10 +148,10 @@ def _main(argv):
     if paths and _PROMPT.value is None:
       raise ValueError("--image goes with one --prompt (not --batch_file)")
     mesh = mesh_flags.mesh_from_flags()
-    loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value, mesh=mesh,
-                           layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),
-                           check_finite=_CHECK_FINITE.value, kv_cache=_KV_CACHE.value,
-                           vision=bool(paths))
+    loaded = loading.load(_CHECKPOINT.value, dtype=_DTYPE.value, seed=_SEED.value, mesh=mesh,
+                          layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),
+                          check_finite=_CHECK_FINITE.value, kv_cache=_KV_CACHE.value,
+                          vision=bool(paths))
     tok = loaded.tokenizer
     if tok is None:
       raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json; copy the model's tokenizer "
@@ -257,5 +256,7 @@ def _stream(loaded, text, prompt, draft, tree, note, kw) -> int:
   return 0
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-generate`
+
 if __name__ == "__main__":
-  app.run(main)
+  console_main()

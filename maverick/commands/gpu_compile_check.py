@@ -40,6 +40,10 @@ Checks, per GPU:
           as tests/test_kernel_lowering_sweep.py lowers them) through ptxas on one compile-only
           device: registers and spills per op, and every configuration that spills.
 The report (Markdown) goes to stdout and to --out.
+
+Run as `maverick-gpu-compile-check` (an installed maverick-jax's console script), as
+`python -m maverick.commands.gpu_compile_check`, or from a source checkout as
+`python scripts/gpu_compile_check.py`.
 """
 
 from __future__ import annotations
@@ -53,8 +57,8 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from maverick import cli
+
 
 GPUS = {"h200": ("NVIDIA H200 141GB HBM3e", "sm90"), "b200": ("NVIDIA B200", "sm100")}
 CHECKS = ("decode", "loops", "kernels")
@@ -78,7 +82,8 @@ def _parse(argv):
   ap.add_argument("--prompt_len", type=int, default=16,
                   help="decode check: prompt tokens per row of the generate programs (prefill's "
                        "MoE takes the grouped path once rows x top-k exceed the local experts)")
-  ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_compile_check.md"))
+  ap.add_argument("--out",
+                  default=cli.default_path("benchmarks", "results", "gpu_compile_check.md"))
   ap.add_argument("--rows_json", default="", help=argparse.SUPPRESS)  # a per-GPU child's rows
   args = ap.parse_args(argv)
   for name, value, allowed in (("--gpus", args.gpus, GPUS), ("--checks", args.checks, CHECKS),
@@ -567,14 +572,14 @@ def loops_check(args, gpu: str, dump_dir: str) -> list[dict]:
   from flax import nnx
   from jax.sharding import SingleDeviceSharding
 
-  import maverick
+  from maverick import loading
   import spec_decode
   from maverick import generation as plain
   from spec_decode import speculative
   (device,) = gpu_devices(gpu, 1)
   sds = lambda tree: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)), tree)
-  loaded = maverick.load()
+  loaded = loading.load()
   draft = spec_decode.load_draft("tiny", loaded.model)
   prompts = [loaded.tokenizer.encode("def f(x):")]
   rows = []
@@ -655,11 +660,11 @@ def _row_line(row: dict) -> str:
 def plan_memory_cpu(args) -> str:
   """plan_memory.py's own numbers for the same step (8 CPU devices, its model of FP8)."""
   import subprocess
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = cli.child_env(dict(os.environ, JAX_PLATFORMS="cpu",
+                           XLA_FLAGS="--xla_force_host_platform_device_count=8"))
   env.pop("MOSAIC_GPU_DUMP_PTXAS", None)
-  cmd = [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--config", "maverick",
-         "--quant", "fp8", "--mesh", "8", "--context", str(args.context), "--batch",
-         str(args.batch)]
+  cmd = [*cli.command_argv("plan_memory"), "--config", "maverick", "--quant", "fp8", "--mesh", "8",
+         "--context", str(args.context), "--batch", str(args.batch)]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
   return (proc.stdout or proc.stderr).strip()
 
@@ -769,7 +774,8 @@ def _gpu_in_child(argv: list[str], gpu: str) -> list[dict]:
   import subprocess
   with tempfile.TemporaryDirectory() as tmp:
     rows_json = os.path.join(tmp, "rows.json")
-    proc = subprocess.run([sys.executable, __file__, *child_argv(argv, gpu, rows_json)])
+    cmd = [*cli.command_argv("gpu_compile_check"), *child_argv(argv, gpu, rows_json)]
+    proc = subprocess.run(cmd, env=cli.child_env())
     if proc.returncode != 0 or not os.path.exists(rows_json):
       return [dict(gpu=gpu, program="(all)", status=f"failed: the {gpu} child process exited "
                    f"{proc.returncode}")]
@@ -809,5 +815,10 @@ def main(argv=None) -> int:
   return 0
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+  """The console entry point `maverick-gpu-compile-check`."""
   sys.exit(main())
+
+
+if __name__ == "__main__":
+  console_main()

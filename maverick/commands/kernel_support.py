@@ -11,16 +11,17 @@ Examples:
   python scripts/kernel_support.py
   python scripts/kernel_support.py --models maverick --archs sm90 --tps 8 --tokens 1,200
   python scripts/kernel_support.py --ops gemm --lower
+
+Run as `maverick-kernel-support` (an installed maverick-jax's console script), as
+`python -m maverick.commands.kernel_support`, or from a source checkout as
+`python scripts/kernel_support.py`.
 """
 
 import collections
-import os
-import sys
 
-from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from maverick import cli
 
 _MODELS = flags.DEFINE_list("models", ["maverick", "scout"], "Model presets.")
 _ARCHS = flags.DEFINE_list("archs", ["sm90", "sm100"], "Architectures to plan for.")
@@ -83,5 +84,7 @@ def main(argv):
   return 0
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-kernel-support`
+
 if __name__ == "__main__":
-  app.run(lambda argv: sys.exit(main(argv)))
+  console_main()

@@ -13,18 +13,18 @@ Examples:
 Serving view (--serving; nothing compiled): KV bytes per token per device and how many requests
 fit at once for a stated length mix, contiguous at --context vs paged vs paged + chunk-local:
   python scripts/plan_memory.py --config maverick --mesh 8 --quant fp8 --serving
+
+Run as `maverick-plan-memory` (an installed maverick-jax's console script), as
+`python -m maverick.commands.plan_memory`, or from a source checkout as
+`python scripts/plan_memory.py`.
 """
 
 import math
 import os
-import sys
 
 import numpy as np
 
-from absl import app
 from absl import flags
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maverick import cli  # noqa: E402
 
@@ -312,5 +312,7 @@ def _main(argv):
   return 0
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-plan-memory`
+
 if __name__ == "__main__":
-  app.run(main)
+  console_main()

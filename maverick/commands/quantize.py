@@ -8,14 +8,15 @@ NaN/inf weight aborts with the weight's name and nothing written.
   python scripts/quantize.py --src tiny --out_dir /tmp/tiny-fp8
   python scripts/quantize.py --src /ckpt/maverick --out_dir /ckpt/maverick-fp8 --kv_cache fp8 \\
       --skip embed,lm_head,router,attn
+
+Run as `maverick-quantize` (an installed maverick-jax's console script), as
+`python -m maverick.commands.quantize`, or from a source checkout as
+`python scripts/quantize.py`.
 """
 
 import os
-import sys
 
-from absl import app, flags
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
 
 from maverick import cli
 
@@ -74,5 +75,7 @@ def main(argv):
   return 0
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-quantize`
+
 if __name__ == "__main__":
-  app.run(main)
+  console_main()

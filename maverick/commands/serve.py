@@ -12,6 +12,10 @@ Compiles the step and every prompt-length bucket at start-up (progress on stderr
 returns 503 until then, 200 after. If a compile fails, /health answers 500 with the error and the
 process exits with status 1 (for a supervisor to restart it). GET /metrics: Prometheus; --api_key:
 a bearer key. Needs the serve extra: pip install 'maverick-jax[serve]'.
+
+Run as `maverick-serve` (an installed maverick-jax's console script), as
+`python -m maverick.commands.serve`, or from a source checkout as
+`python scripts/serve.py`.
 """
 
 import errno
@@ -20,12 +24,9 @@ import os
 import socket
 import sys
 
-from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from maverick import gpu_flags  # noqa: E402  (after the sys.path line)
+from maverick import gpu_flags
 
 gpu_flags.configure()  # before anything starts a jax backend (XLA reads XLA_FLAGS once)
 
@@ -178,7 +179,7 @@ def _tree_shape():
 
 def build_server():
   """Loads the model (and draft) and builds the engine and the app's state from the flags."""
-  import maverick
+  from maverick import loading
   import spec_decode
   from maverick import sharding
   from maverick import kernels as kernels_lib
@@ -186,10 +187,10 @@ def build_server():
   from maverick.serving.server import Server
 
   mesh = mesh_flags.mesh_from_flags()
-  loaded = maverick.load(_CHECKPOINT.value, dtype=_DTYPE.value, mesh=mesh,
-                         layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),
-                         check_finite=_CHECK_FINITE.value, kv_cache=_KV_CACHE.value,
-                         vision=_VISION.value)
+  loaded = loading.load(_CHECKPOINT.value, dtype=_DTYPE.value, mesh=mesh,
+                        layout=mesh_flags.LAYOUT.value, kernels=cli.kernels_value(_KERNELS),
+                        check_finite=_CHECK_FINITE.value, kv_cache=_KV_CACHE.value,
+                        vision=_VISION.value)
   if loaded.tokenizer is None:
     raise ValueError(f"{_CHECKPOINT.value} has no tokenizer.json; the server needs one")
   if _SPEC_K.value < 0:
@@ -321,5 +322,7 @@ def _main(argv, compiling: list):
   return 0
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-serve`
+
 if __name__ == "__main__":
-  app.run(main)
+  console_main()

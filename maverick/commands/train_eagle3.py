@@ -7,25 +7,24 @@ Steps: (1) the frozen target generates continuations of random windows of the co
 (greedy and sampled, --gen_temperatures), cached in --workdir; (2) TTT training with optax AdamW and
 orbax checkpoints (rerun to resume); (3) export the draft, then measure greedy acceptance length at K=3
 on held-out corpus files and write a model card.
+
+Run as `maverick-train-eagle3` (an installed maverick-jax's console script), as
+`python -m maverick.commands.train_eagle3`, or from a source checkout as
+`python scripts/train_eagle3.py`.
 """
 
 import json
 import os
 import sys
 
-from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from maverick import cli  # noqa: E402  (after the sys.path line)
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from maverick import cli
 
 _TARGET = flags.DEFINE_string("target", "tiny", "Target model (see scripts/generate.py).")
-_OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(REPO, "maverick", "assets", "tiny_eagle3"),
+_OUT_DIR = flags.DEFINE_string("out_dir", cli.default_path("maverick", "assets", "tiny_eagle3"),
                                "Where the trained draft and its model card go.")
-_WORKDIR = flags.DEFINE_string("workdir", os.path.join(REPO, "runs", "train_eagle3"),
+_WORKDIR = flags.DEFINE_string("workdir", cli.default_path("runs", "train_eagle3"),
                                "Generated data and training checkpoints; rerun to resume.")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Folder of .py files for prompts. Default: "
                                 "this Python's standard library.")
@@ -68,7 +67,7 @@ def main(argv):
   except cli.UsageError as e:
     return cli.fail("train_eagle3", e)
   import numpy as np
-  import maverick
+  from maverick import loading
   from maverick import data, train as train_lib
   from maverick.checkpoint import CheckpointError
   from spec_decode import checkpoint as draft_ckpt
@@ -80,7 +79,7 @@ def main(argv):
     temps = [float(t) for t in _GEN_TEMPS.value]
     if not temps or any(t < 0 for t in temps):
       raise ValueError(f"--gen_temperatures must be numbers >= 0, got {_GEN_TEMPS.value}")
-    loaded = maverick.load(_TARGET.value)
+    loaded = loading.load(_TARGET.value)
     target, tok = loaded.model, loaded.tokenizer
     if tok is None or not hasattr(tok, "hf_tokenizer"):
       raise ValueError(f"target {_TARGET.value} has no tokenizer.json to read the corpus with")
@@ -259,5 +258,7 @@ draft vocabulary {c['draft_vocab_size']} of {c['target_vocab_size']}; the target
 """
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-train-eagle3`
+
 if __name__ == "__main__":
-  app.run(main)
+  console_main()

@@ -8,6 +8,10 @@ see maverick/data.py); (2) train a byte-level BPE tokenizer on the train split; 
 with optax AdamW, orbax checkpoints every --checkpoint_every steps in --workdir (rerun the same command
 to resume after an interruption); (4) export bf16 weights + tokenizer + model card to --out_dir and
 report validation bits per byte against a unigram byte model.
+
+Run as `maverick-train-target` (an installed maverick-jax's console script), as
+`python -m maverick.commands.train_target`, or from a source checkout as
+`python scripts/train_target.py`.
 """
 
 import hashlib
@@ -17,18 +21,13 @@ import platform
 import sys
 import time
 
-from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from maverick import cli
 
-from maverick import cli  # noqa: E402  (after the sys.path line)
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-_OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(REPO, "maverick", "assets", "tiny"),
+_OUT_DIR = flags.DEFINE_string("out_dir", cli.default_path("maverick", "assets", "tiny"),
                                "Where the exported model (weights, tokenizer, model card) goes.")
-_WORKDIR = flags.DEFINE_string("workdir", os.path.join(REPO, "runs", "train_target"),
+_WORKDIR = flags.DEFINE_string("workdir", cli.default_path("runs", "train_target"),
                                "Training checkpoints and the tokenizer; rerun to resume.")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Folder of .py files. Default: this Python's "
                                 "standard library.")
@@ -225,5 +224,7 @@ Reproduce: `python scripts/eval_ppl.py` (full validation split).
 """
 
 
+console_main = cli.console_main(main, __name__)  # the console script `maverick-train-target`
+
 if __name__ == "__main__":
-  app.run(main)
+  console_main()

@@ -1,0 +1,12 @@
+"""`maverick-serve` from a source checkout: the code and its documentation are in
+maverick/commands/serve.py (`python scripts/serve.py --help`)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from maverick.commands import serve  # noqa: E402  (after the sys.path line)
+
+if __name__ == "__main__":
+  serve.console_main()
