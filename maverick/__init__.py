@@ -21,7 +21,29 @@ layer or lower. ARCHITECTURE.md at the repository root describes the layers; mav
 is the table tests/test_layering.py checks.
 """
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+  """The version of the installed distribution (its metadata, from pyproject.toml at build time);
+  from a source checkout that is not installed, pyproject.toml's own; else "0+unknown"."""
+  from importlib import metadata  # noqa: PLC0415
+  try:
+    return metadata.version("maverick-jax")
+  except metadata.PackageNotFoundError:
+    pass
+  import os  # noqa: PLC0415
+  import tomllib  # noqa: PLC0415
+  try:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "pyproject.toml"), "rb") as f:
+      project = tomllib.load(f).get("project", {})
+  except (OSError, tomllib.TOMLDecodeError):
+    return "0+unknown"
+  if project.get("name") != "maverick-jax":
+    return "0+unknown"
+  return project.get("version", "0+unknown")
+
+
+__version__ = _version()
 
 # XLA reads XLA_FLAGS once, when the backend starts: set the on-device while-loop flags now (GPU
 # only, user's XLA_FLAGS entries win, MAVERICK_GPU_LOOP_FLAGS=0 turns it off; see gpu_flags.py).

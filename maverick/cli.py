@@ -1,4 +1,6 @@
-"""Plumbing shared by the absl command-line scripts in scripts/ and benchmarks/."""
+"""Plumbing shared by the absl command-line programs: the console commands (maverick/commands/,
+run as `maverick-<name>`, `python -m maverick.commands.<name>` or `python scripts/<name>.py`) and
+benchmarks/."""
 
 from __future__ import annotations
 
@@ -215,6 +217,57 @@ def run_interruptibly(prog: str, main, argv) -> int:
     if sys.stderr.isatty():  # on a line of its own, not after a progress bar or the echoed ^C
       print(file=sys.stderr)
     exit_now(interrupted(prog))
+
+
+def run_app(main, module_name: str) -> None:
+  """A command's console entry point: absl's app.run(main), with --help showing the command's
+  docstring and its flags whichever file started the process (the console script, the thin
+  scripts/<name>.py, or `python -m`): absl's --help shows the __main__ module's docstring and the
+  flags of the module named by sys.argv[0], and the flags live in `module_name`."""
+  from absl import app  # noqa: PLC0415
+  module = sys.modules[module_name]
+  main_module = sys.modules["__main__"]
+  if main_module is not module:
+    main_module.__doc__ = module.__doc__
+    for flag in flags.FLAGS.get_key_flags_for_module(module.__name__):
+      flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+  app.run(main)
+
+
+def console_main(main, module_name: str):
+  """The console entry point (pyproject.toml's [project.scripts]) of the command `main` of the
+  module `module_name`: a function of no arguments that runs it under absl (`run_app`)."""
+  return lambda: run_app(main, module_name)
+
+
+def source_checkout() -> str | None:
+  """The repository root when this package runs from a source checkout (an editable install, or
+  scripts/ on sys.path), else None (an installed wheel)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  marks = ("pyproject.toml", "scripts", "benchmarks")
+  return root if all(os.path.exists(os.path.join(root, m)) for m in marks) else None
+
+
+def default_path(*parts: str) -> str:
+  """A default output path: under the repository root in a source checkout (where the project
+  keeps its results and embedded model), else under the current directory."""
+  root = source_checkout()
+  return os.path.join(root, *parts) if root else os.path.join(*parts)
+
+
+def command_argv(name: str) -> list[str]:
+  """The argv that runs the command maverick/commands/<name>.py in a child Python process (the
+  same interpreter, `-m`); start it with `child_env()` so it imports this same package."""
+  return [sys.executable, "-m", f"maverick.commands.{name}"]
+
+
+def child_env(env: dict | None = None) -> dict:
+  """`env` (default: os.environ) with this package's root first on PYTHONPATH, so a child started
+  with `command_argv` imports the same maverick (a source checkout run without an install too)."""
+  env = dict(os.environ if env is None else env)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+  return env
 
 
 def write_atomic(path: str, text: str) -> None:

@@ -44,6 +44,8 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("maverick.serving.*", "maverick.streaming", "maverick.memory_plan", "maverick.evaluation",
       "maverick.profiling", "maverick.kernel_sweep", "maverick.launches", "maverick.step_model",
       "maverick.cli", "maverick.layers", "maverick")),
+    ("commands", "the command-line programs (console scripts maverick-generate, ...)",
+     ("maverick.commands.*",)),
 )
 
 # The source roots the table covers (scripts/, benchmarks/, tools/ and tests/ sit above them all).

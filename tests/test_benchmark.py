@@ -8,13 +8,12 @@ import sys
 
 import pytest
 
+from maverick.cli import UsageError
+from maverick.commands import benchmark  # scripts/benchmark.py runs this module
+from param_utils import single_device_env
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "benchmark.py"
-sys.path.insert(0, str(REPO / "scripts"))
-
-import benchmark  # noqa: E402  (scripts/benchmark.py)
-from maverick.cli import UsageError  # noqa: E402
-from param_utils import single_device_env  # noqa: E402
 
 
 def _run(*args, timeout=300):

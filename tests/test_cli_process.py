@@ -181,15 +181,16 @@ def test_a_failed_compile_is_kept_logged_and_answered_by_health(caplog):
 # checkpoint may: then scripts/serve.py, patched here only, is run as a user runs it.
 SLOW_LOAD = """
 import runpy, sys
-import maverick, spec_decode
-load = maverick.load
+import spec_decode
+from maverick import loading
+load = loading.load
 def load_and_compile(*args, **kwargs):
   loaded = load(*args, **kwargs)
   draft = spec_decode.load_draft("tiny", loaded.model)
   tree = spec_decode.TreeShape(*%r)
   spec_decode.generate(loaded.model, draft, [[1, 2, 3]], tree=tree, max_new_tokens=4)
   return loaded
-maverick.load = load_and_compile
+loading.load = load_and_compile  # the commands call loading.load
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """ % (TREE,)

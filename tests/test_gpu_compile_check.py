@@ -16,11 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load():
-  spec = importlib.util.spec_from_file_location("gpu_compile_check",
-                                                ROOT / "scripts" / "gpu_compile_check.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  from maverick.commands import gpu_compile_check  # argparse: no absl flags defined at import
+  return gpu_compile_check
 
 
 # Shapes as XLA:GPU printed them for a 2-layer Maverick TP8 decode step (cache 8 x 4096 per shard).
