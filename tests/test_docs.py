@@ -130,3 +130,14 @@ def test_readme_is_a_short_front_door():
   assert not re.search(r"\b[Ii]ssue \d+|First GPU run|in progress", text)
   for guide in ("guides/serving.md", "guides/nvidia-record.md", "guides/gpu.md"):
     assert f"](docs/{guide})" in text, guide
+
+
+@pytest.mark.slow
+def test_readme_library_example_runs(tmp_path):
+  """The README's library example (its first python block) runs as shown, assert included."""
+  text = (REPO / "README.md").read_text()
+  example = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+  assert "maverick.load()" in example and "assert spec.tokens == out.tokens" in example
+  p = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=_env(tmp_path),
+                     capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
