@@ -55,7 +55,8 @@ def on_files(files, config):
 
 
 def result_markdown(name: str) -> str:
-  """benchmarks/results/NAME for inclusion: leading HTML comments dropped, headings demoted."""
+  """benchmarks/results/NAME for inclusion: leading HTML comments and the title dropped (the page's
+  section names the run), other headings demoted under it."""
   path = RESULTS / name
   if not path.is_file():
     log.warning("no result file benchmarks/results/%s", name)
@@ -63,7 +64,8 @@ def result_markdown(name: str) -> str:
   lines = path.read_text().splitlines()
   while lines and lines[0].startswith("<!--"):
     lines.pop(0)
-  return "\n".join("###" + line if line.startswith("#") else line for line in lines)
+  lines = [line for line in lines if not line.startswith("# ")]
+  return "\n".join("#" + line if line.startswith("#") else line for line in lines)
 
 
 def fp8_parity_table() -> str:
