@@ -29,7 +29,7 @@ MODEL_CARDS = {"tiny": ROOT / "maverick/assets/tiny/MODEL_CARD.md",
 # A logger under "mkdocs": its warnings count for --strict.
 log = logging.getLogger("mkdocs.hooks.maverick_docs")
 
-_RESULT = re.compile(r"<!-- result: ([\w.-]+) -->")
+_RESULT = re.compile(r"^<!-- result: ([\w.-]+) -->$", re.M)  # alone on its line
 _FP8 = "<!-- fp8-parity -->"
 _README = "<!-- readme -->"
 # README links into the repository -> the same file on the site.
