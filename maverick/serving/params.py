@@ -55,7 +55,7 @@ CHAT_ONLY_NEUTRAL = {"add_special_tokens": ((False,), "the chat template adds th
                      "echo": ((False,), "chat does not echo the last message; completions take "
                               "'echo'")}
 
-# Read into Options (the table in docs/guides/serving.md says how each is honoured).
+# Read into Options (docs/guides/serving.md's table says how each is honoured).
 COMMON = {"model", "max_tokens", "n", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
           "stream", "stream_options", "temperature", "top_p", "top_k", "ignore_eos", "user",
           "request_id", "skip_special_tokens", "truncate_prompt_tokens", "cache_salt",
