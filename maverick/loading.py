@@ -26,6 +26,9 @@ MAX_RANDOM_PARAMS = 2_000_000_000
 
 @dataclasses.dataclass
 class Loaded:
+  """What `maverick.load` returns: the model (sharded and quantized as asked), its tokenizer
+  (None where the source has none) and the source it came from; `.stop_tokens` and `.config` too."""
+
   model: model_lib.Llama4
   tokenizer: tokenizer_lib.Tokenizer | tokenizer_lib.ByteTokenizer | None
   source: str

@@ -23,6 +23,8 @@ from jax._src import config as jax_config
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 IMPLEMENTATIONS = ("xla", "pallas")
+"""The values of every op's `implementation=` besides None (auto: the kernel where it runs,
+else XLA)."""
 ARCHS = ("sm90", "sm100")
 
 # Interpret mode has no GPU to ask: the architecture to emulate (and whose kernels to pick).

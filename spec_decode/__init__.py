@@ -23,6 +23,8 @@ _ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                        "assets")
 # Drafts shipped with the embedded target models: target name -> draft directory.
 EMBEDDED_DRAFTS = {"tiny": os.path.join(_ASSETS, "tiny_eagle3")}
+"""The drafts shipped with the embedded targets: target name -> draft directory
+(`load_draft("tiny", target)`)."""
 
 
 def load_draft(source: str, target=None, *, dtype: str | None = None) -> Eagle3Draft:

@@ -50,6 +50,9 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3Config:
+  """An EAGLE-3 draft head's shape: its one decoder layer, the target's width and vocabulary,
+  the draft vocabulary and the target layers whose outputs are its features."""
+
   layer: Config  # the draft decoder layer (num_hidden_layers == 1, global causal attention)
   target_hidden_size: int
   target_vocab_size: int
@@ -142,6 +145,8 @@ class DraftOutput:
 
 
 class Eagle3Draft(nnx.Module):
+  """The EAGLE-3 draft head: one of the model's own decoder layers over [norm(embed(token));
+  norm(fc(target features))], with its own (optionally reduced-vocabulary) lm_head."""
 
   def __init__(self, cfg: Eagle3Config, rngs: nnx.Rngs):
     D, Dt = cfg.hidden_size, cfg.target_hidden_size
@@ -222,6 +227,7 @@ class Eagle3Draft(nnx.Module):
 
 
 def init_draft(cfg: Eagle3Config, seed: int = 0) -> Eagle3Draft:
+  """A randomly initialised draft head of shape `cfg` (what training starts from)."""
   return Eagle3Draft(cfg, nnx.Rngs(params=seed))
 
 

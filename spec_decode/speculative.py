@@ -257,6 +257,9 @@ def compiled_spec_generate(tgt_graphdef, tgt_state, dr_graphdef, dr_state, req, 
 
 @dataclasses.dataclass
 class SpecGeneration(plain.Generation):
+  """`spec_decode.generate`'s result: `maverick.generate`'s fields plus the rounds, accepted
+  drafts and per-position acceptance behind `acceptance_length` / `acceptance_rates`."""
+
   rounds: np.ndarray = None  # [B]
   accepted: np.ndarray = None  # [B]
   accepted_at: np.ndarray = None  # [B, K] (chain) or [B, depth] (tree)

@@ -407,7 +407,7 @@ def test_tp8_fused_path_matches_sharded_xla(reference_kernels):
   every layer, on the [B * T, D] rows of each device. Tolerance: bf16 rounding (2e-2, twice the
   1e-2 of test_sharded_kernels): jitted, XLA may keep the unfused path's residual in f32 inside
   its fusions (excess precision), while the fused site rounds it to bf16 at the shard_map
-  boundary; both are ~1.2-1.4 % from a float32 copy of the model (measured, README)."""
+  boundary; both are ~1.2-1.4 % from a float32 copy of the model (measured, docs/guides/kernels.md)."""
   model = _fused_model()
   L, D, T = model.config.num_hidden_layers, model.config.hidden_size, 40
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (B, T)), jnp.int32)

@@ -1,6 +1,6 @@
-"""The fast tier (`pytest -m "not slow"`, README "Two commands") keeps at least one test of every
-test file, so a quick run still touches every part of the code. Read from the source with ast:
-nothing is imported or collected."""
+"""The fast tier (`pytest -m "not slow"`, docs/getting-started.md, "Test") keeps at least one test
+of every test file, so a quick run still touches every part of the code. Read from the source
+with ast: nothing is imported or collected."""
 
 import ast
 import pathlib

@@ -1,7 +1,7 @@
 """scripts/gpu_compile_check.py's readers of XLA:GPU output, on small hand-written samples of the
 formats it reads (compiled HLO text, thunk sequence dumps, ptxas -v lines). The compiles
 themselves need jax's CUDA plugin (`bash tools/setup.sh cuda12`) and run from the script; their
-report is in the README ("GPU programs compiled without a GPU")."""
+report is in docs/guides/gpu-compile.md."""
 
 import importlib.util
 import json

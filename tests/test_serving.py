@@ -379,7 +379,7 @@ def test_greedy_completion_logprobs_with_the_engine(server, loaded):
     assert len(top) == 2 and max(top, key=top.get) == text(t), (t, top)
     assert top[text(t)] == v and all(x <= 0 for x in top.values())
   # Plain decoding's (another program: no draft, batch 1): same tokens and top-2; values differ by
-  # up to ~2e-2 here (the bf16 model's logits differ by program, README Sampling).
+  # up to ~2e-2 here (the bf16 model's logits differ by program, docs/concepts/generation.md, Sampling).
   ref = maverick.generate(loaded.model, [ids], max_new_tokens=8, stop_tokens=[], logprobs=2)
   assert gen == ref.tokens[0]
   for top, (_, alts) in zip(lp["top_logprobs"][len(ids):], ref.logprobs[0]):

@@ -607,6 +607,15 @@ def test_every_vllm_parameter_is_honoured_or_refused_by_name(app_server, chat):
     assert err["type"] == "invalid_request_error"
 
 
+def test_mm_processor_kwargs_refusal_says_why_not_text_only(app_server):
+  """The server takes images (image_url parts); the refusal names what it does not take."""
+  body = {"messages": [{"role": "user", "content": "x"}], "mm_processor_kwargs": {"a": 1}}
+  r = _post(app_server, body, "/v1/chat/completions")
+  assert r.status_code == 400, r.text
+  message = r.json()["error"]["message"]
+  assert "text-only" not in message and "image processor" in message, message
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_neutral_values_and_unknown_names(app_server, chat):
   path = "/v1/chat/completions" if chat else "/v1/completions"

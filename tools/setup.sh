@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with a Python >= 3.12 and installs maverick-jax into it (editable).
 #   bash tools/setup.sh         # runtime dependencies
-#   bash tools/setup.sh test    # plus the test extra
+#   bash tools/setup.sh test    # plus the test extra and the docs toolchain (CI builds the site)
+#   bash tools/setup.sh docs    # plus the docs toolchain (docs/requirements.txt): mkdocs serve / build
 #   bash tools/setup.sh cuda12  # plus the CUDA 12 (or cuda13: CUDA 13) build of the same jax, for a GPU host
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,14 +37,21 @@ if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
   "$py" -m venv .venv
 fi
 extra=""
+docs=0
 case "${1:-}" in
   "") ;;
-  test|cuda12|cuda13) extra="[$1]" ;;
-  *) echo "error: tools/setup.sh takes no argument, or one of: test, cuda12, cuda13 (got '$1')" >&2
+  test) extra="[test]"; docs=1 ;;
+  docs) docs=1 ;;
+  cuda12|cuda13) extra="[$1]" ;;
+  *) echo "error: tools/setup.sh takes no argument, or one of: test, docs, cuda12, cuda13 (got '$1')" >&2
      exit 2 ;;
 esac
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".${extra}"
+if [ "$docs" = 1 ]; then
+  # The site's toolchain, pinned (mkdocs.yml; tests/test_docs.py builds the site with it).
+  .venv/bin/python -m pip install -q -r docs/requirements.txt
+fi
 if [ "$extra" = "[cuda12]" ] || [ "$extra" = "[cuda13]" ]; then
   # The CUDA plugin must match the jax it runs under exactly: pin it to the installed jax.
   v="$(.venv/bin/python -c 'import jax; print(jax.__version__)')"

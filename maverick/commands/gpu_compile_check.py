@@ -2,7 +2,7 @@
 only an XLA:GPU compile shows.
 
 Deviceless AOT (jax's CUDA plugin, compile-only devices from XLA's embedded GPU target
-descriptions; the recipe is in the README, "GPU programs compiled without a GPU"): the real XLA:GPU
+descriptions; the recipe is in docs/guides/gpu-compile.md): the real XLA:GPU
 passes, buffer assignment, command-buffer conversion, and Mosaic GPU kernels through ptxas. No
 autotuning (there is no device), so matmul configurations are XLA's defaults.
 

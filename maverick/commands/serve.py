@@ -70,7 +70,7 @@ _MIN_BUCKET = flags.DEFINE_integer("min_bucket", 16, "Smallest prompt-length buc
 _KV_LAYOUT = flags.DEFINE_enum(
     "kv_layout", "contiguous", ["contiguous", "paged"], "KV cache layout: 'contiguous' (a "
     "--max_seq_len row per slot) or 'paged' (blocks from a shared pool, admission by free blocks; "
-    "see README, Serving). The flags below need --kv_layout=paged.")
+    "see docs/guides/paged-kv.md). The flags below need --kv_layout=paged.")
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", None, "Paged: KV blocks in the global pool (and "
                                    "the chunk-local one unless --num_chunked_blocks). Default: "
                                    "--slots x the blocks of a row (the contiguous layout's memory).")

@@ -76,7 +76,7 @@ class Event:
   rounds: int = 0  # speculative: verify rounds so far
   accepted: int = 0  # speculative: tokens committed by those rounds
   # With logprobs=N: per token of `tokens`, (its logprob, [(token id, logprob)] of the N most
-  # likely), under the distribution it was sampled from (see README, Sampling).
+  # likely), under the distribution it was sampled from (see docs/concepts/generation.md, Sampling).
   logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
   # With prompt_logprobs=True, on the first event: None for the first prompt token, then as
   # `logprobs` for each prompt token after it (the model's raw distribution).

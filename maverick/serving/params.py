@@ -1,7 +1,7 @@
 """The request parameters of /v1/completions and /v1/chat/completions, read and checked.
 
 Every name vLLM's CompletionRequest / ChatCompletionRequest takes is one of:
-  - honoured: read into `Options` (and the README's parameter table says how);
+  - honoured: read into `Options` (and the parameter table in docs/guides/serving.md says how);
   - NEUTRAL_ONLY: taken at the value that changes nothing, refused with 400 otherwise.
 Any other name is refused with 400 naming it: nothing is silently ignored.
 """
@@ -45,7 +45,8 @@ NEUTRAL_ONLY: dict[str, tuple[tuple, str]] = {
     "logits_processors": (([],), "custom logits processors are not loaded"),
     "kv_transfer_params": (({},), "disaggregated serving is not implemented"),
     "vllm_xargs": (({},), "there are no extension arguments"),
-    "mm_processor_kwargs": (({},), "the server is text-only"),
+    "mm_processor_kwargs": (({},), "images are preprocessed with the checkpoint's own image "
+                            "processor settings; per-request processor arguments are not taken"),
     "documents": (([],), "the chat template has no documents"),
     "chat_template": ((), "the model's own chat template is used"),
     "chat_template_kwargs": (({},), "the chat template takes no arguments"),
@@ -54,7 +55,7 @@ CHAT_ONLY_NEUTRAL = {"add_special_tokens": ((False,), "the chat template adds th
                      "echo": ((False,), "chat does not echo the last message; completions take "
                               "'echo'")}
 
-# Read into Options (the table in README.md says how each is honoured).
+# Read into Options (docs/guides/serving.md's table says how each is honoured).
 COMMON = {"model", "max_tokens", "n", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
           "stream", "stream_options", "temperature", "top_p", "top_k", "ignore_eos", "user",
           "request_id", "skip_special_tokens", "truncate_prompt_tokens", "cache_salt",
@@ -200,7 +201,7 @@ def parse_options(body: dict, chat: bool) -> Options:
     if name not in known:
       where = "chat completions" if chat else "completions"
       raise ApiError(400, f"'{name}' is not a parameter of {where} on this server (see the "
-                     "parameter table in README.md)", name)
+                     "parameter table in docs/guides/serving.md)", name)
   neutral_only = dict(NEUTRAL_ONLY, **(CHAT_ONLY_NEUTRAL if chat else {}))
   n = number(body, "n", 1, lo=1, hi=128, integer=True)
   for name, (values, why) in neutral_only.items():

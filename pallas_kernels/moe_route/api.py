@@ -14,6 +14,7 @@ MAX_ROWS = 1024  # decode / verify rows (one block a row)
 
 
 def pallas_support(rows: int, experts: int) -> tuple[bool, str]:
+  """(True, "") where the top-1 routing kernel takes `rows` x `experts`, else (False, why)."""
   if experts % kernel.WARPGROUP or experts > kernel.WARPGROUP * 128:
     return False, (f"{experts} experts: the kernel takes a multiple of {kernel.WARPGROUP} (one a "
                    f"thread), at most {kernel.WARPGROUP * 128}")
