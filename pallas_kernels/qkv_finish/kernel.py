@@ -85,9 +85,7 @@ def finish(q_p, k_p, v_p, positions, starts, inv_freq, caches, table, static_sca
       partner = plgpu.load(scratch.at[1:3], layout=layout)
       angles = pos.astype(jnp.float32) * plgpu.load(freq_ref, layout=layout)
       sign = (2 * half_idx - 1).astype(jnp.float32)  # evens: x0 cos - x1 sin; odds: + x0 sin
-      out = _bf16(x * jnp.cos(angles) + sign * partner * jnp.sin(angles))
-      plgpu.commit_smem()  # every thread has read the scratch before a later head reuses it
-      return out
+      return _bf16(x * jnp.cos(angles) + sign * partner * jnp.sin(angles))
 
     def finished_qk(x, pos, is_query):
       if layer.inv_freq is not None:
@@ -100,15 +98,20 @@ def finish(q_p, k_p, v_p, positions, starts, inv_freq, caches, table, static_sca
         x = _bf16(x * (jnp.log(1.0 + steps_) * attn_scale + 1.0))
       return x
 
-    @pl.when(unit < n_q)
+    bk, m = unit // mpad, unit % mpad
+
+    @pl.when((unit < n_q) & (m < T * G))
     def _query():
-      bk, m = unit // mpad, unit % mpad
       b, kv = bk // K, bk % K
-      valid = m < T * G
-      t, g = jnp.minimum(m // G, T - 1), m % G
+      t, g = m // G, m % G
       r = b * T + t
       x = finished_qk(summed(qp_ref, r, kv * G + g), pos_ref[r], True)
-      _pairs(q_out.at[bk, m])[...] = (x * valid.astype(jnp.float32)).astype(q_out.dtype)
+      _pairs(q_out.at[bk, m])[...] = x.astype(q_out.dtype)
+
+    @pl.when((unit < n_q) & (m >= T * G))
+    def _padding():  # the decode kernel's pad rows: zero, read nothing
+      zeros = plgpu.layout_cast(jnp.zeros((2, half), q_out.dtype), layout)
+      _pairs(q_out.at[bk, m])[...] = zeros
 
     def write(cache, scale_cache, x, r, kv, which):
       b, t = r // T, r % T
