@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "sampling, the KV cache, tokenizers, text corpora, the exported-program cache, "
      "image preprocessing",
      ("maverick.quant.ops", "maverick.kernels", "maverick.kernel_attention", "maverick.kernel_moe",
-      "maverick.multi_linear", "maverick.fused_mlp",
+      "maverick.multi_linear", "maverick.fused_mlp", "maverick.fused_attention",
       "maverick.quant.contraction",
       "maverick.sharding_plan", "maverick.sampling", "maverick.kv_cache", "maverick.tokenizer",
       "maverick.data", "maverick.program_cache", "maverick.vision.*")),

@@ -325,6 +325,8 @@ def test_script_serving_view(tmp_path):
     (("--reserve_gb", "-1"), "--reserve_gb must be >= 0"),
     (("--prompt_sigma", "-0.5"), "sigmas >= 0"),
     (("--output_median", "0"), "medians, cap and samples >= 1"),
+    (("--vision_tiles", "4"), "--vision_tiles plans the vision tower's compiled prefill; it "
+                              "does not apply to --serving"),
 ])
 def test_script_serving_bad_input(args, match):
   """Refused before any device is made, one line, no traceback (full-size defaults)."""

@@ -221,6 +221,9 @@ def _length_mix():
 
 def _check_serving(cfg) -> None:
   """--serving's own flags, refused before any device is made."""
+  if _VISION_TILES.value:  # the serving view is text KV by formula; the tower is a program
+    raise cli.UsageError("--vision_tiles plans the vision tower's compiled prefill; it does not "
+                         "apply to --serving (run without --serving to plan it)")
   if _BLOCK.value < 1 or cfg.attention_chunk_size % _BLOCK.value:
     raise cli.UsageError(f"--block_size {_BLOCK.value} must be >= 1 and divide the chunk size "
                          f"{cfg.attention_chunk_size} (a block never straddles a chunk)")
@@ -256,9 +259,6 @@ def run_serving(cfg, sizes: dict[str, int]) -> str:
   blocks = memory_plan.expected_blocks(prompts, lengths, slack=slack, block=_BLOCK.value)
   local = memory_plan.expected_blocks(prompts, lengths, slack=slack, block=_BLOCK.value,
                                       chunk=cfg.attention_chunk_size)
-  if _VISION_TILES.value:
-    reports.append(memory_plan.plan_vision_prefill(_vision_config(), plan,
-                                                   tiles=_VISION_TILES.value))
   mesh_desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
   draft = f"EAGLE-3 K={_SPEC_K.value}" if _SPEC_K.value else "no draft"
   title = (f"SERVING PLAN (by formula, not measured): {_CONFIG.value} {_QUANT.value}, "
