@@ -25,6 +25,21 @@ def test_committed_without_outputs():
           f"cell {i} has outputs; strip them: python tools/strip_notebooks.py")
 
 
+def test_the_sites_copy_has_the_notebooks_cells_and_outputs():
+  """docs/notebooks/quickstart.ipynb, the run the documentation site shows, is this notebook's
+  cells with their outputs (`python tools/render_notebook.py` makes it: rerun it when the
+  notebook changes)."""
+  site = nbformat.read(REPO / "docs" / "notebooks" / "quickstart.ipynb", as_version=4)
+  source = nbformat.read(NOTEBOOK, as_version=4)
+  cells = lambda nb: [(c.cell_type, c.source) for c in nb.cells]
+  assert cells(site) == cells(source), "stale: run python tools/render_notebook.py"
+  outputs = [o for c in site.cells if c.cell_type == "code" for o in c.outputs]
+  text = "\n".join(o.get("text", "") for o in outputs)
+  assert "speculative K=3: same text" in text and "served:" in text
+  assert any("image/png" in o.get("data", {}) for o in outputs)  # the acceptance plot
+  assert not any(o.get("output_type") == "error" for o in outputs)
+
+
 @pytest.mark.slow
 def test_runs_top_to_bottom(monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
