@@ -224,3 +224,47 @@ def test_support_and_bad_input():
   with pytest.raises(KernelInputError, match=r"mpad=1 < T \* G = 2"):
     qf.qkv_finish(ones(1, 8, 2 * DH), ones(1, 8, DH), ones(1, 8, DH), pos, starts, bf,
                   **{**kw, "mpad": 1})
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_writes_follow_the_kv_cache_rules(implementation):
+  """The cache writes are maverick.kv_cache's: a paged slot with no block (NO_BLOCK) or past the
+  table is dropped (an idle row must not write into a block another row holds), a contiguous
+  row's start is clamped to S - T (dynamic_update_slice's rule). Checked against kv_cache.write /
+  write_paged of the same entries (read back from a roomy contiguous cache)."""
+  from maverick import kv_cache as kvc
+  rng = np.random.default_rng(9)
+  B, T, S, bs, M = 3, 2, 32, 8, 2
+  f = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
+  parts = (f(2, 8, 2 * DH), f(2, 8, DH), f(2, 8, DH))
+  kw = dict(num_heads=2, num_kv_heads=1, layer=qf.Layer(INV_FREQ), mpad=64)
+  run = lambda starts, caches, table=None: _interpreted(implementation, lambda: qf.qkv_finish(
+      *parts, jnp.asarray(starts)[:, None] + jnp.arange(T), jnp.asarray(starts, jnp.int32),
+      caches, block_table=table, implementation=implementation, **kw))
+  roomy = tuple(jnp.zeros((B, 64, 1, DH), jnp.bfloat16) for _ in range(2))
+  starts = np.array([7, 15, 30], np.int32)  # row 2: past a paged table of 16 slots
+  _, wide = run(starts, roomy)
+  new = [w[jnp.arange(B)[:, None], jnp.asarray(starts)[:, None] + jnp.arange(T)] for w in wide]
+  # paged: row 0's second block is NO_BLOCK (its slot 8 dropped, slot 7 kept), row 2 past the table
+  table = jnp.asarray([[3, kvc.NO_BLOCK], [5, 1], [0, 2]], jnp.int32)
+  pools = tuple(f(6, bs, 1, DH).astype(jnp.bfloat16) for _ in range(2))
+  _, got = run(starts, pools, table)
+  for g, p, n in zip(got, pools, new):
+    want = kvc.write_paged(p, n, jnp.asarray(starts), table)
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
+  # contiguous: row 2 starts at S - 2 + ... clamped (30 + 2 > 32 would not; 31 does)
+  starts = np.array([0, 5, 31], np.int32)
+  _, wide = run(starts, roomy)
+  new = [w[jnp.arange(B)[:, None], jnp.asarray(starts)[:, None] + jnp.arange(T)] for w in wide]
+  caches = tuple(f(B, S, 1, DH).astype(jnp.bfloat16) for _ in range(2))
+  _, got = run(starts, caches)
+  for g, c, n in zip(got, caches, new):
+    want = kvc.write(c, n, jnp.asarray(starts))
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
+
+
+def _interpreted(implementation, fn):
+  if implementation == "xla":
+    return fn()
+  with pallas_kernels.interpret():
+    return fn()

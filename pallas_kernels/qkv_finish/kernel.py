@@ -115,12 +115,20 @@ def finish(q_p, k_p, v_p, positions, starts, inv_freq, caches, table, static_sca
 
     def write(cache, scale_cache, x, r, kv, which):
       b, t = r // T, r % T
-      slot = start_ref[b] + t
-      if paged:
-        bs = cache.shape[1]
-        where = (table_ref[b, slot // bs], slot % bs, kv)
-      else:
-        where = (b, slot, kv)
+      if paged:  # as kv_cache.write_paged: no block (negative) or past the table: dropped
+        bs, m_blocks = cache.shape[1], table_ref.shape[1]
+        slot = start_ref[b] + t
+        j = slot // bs
+        block = table_ref[b, jnp.minimum(j, m_blocks - 1)]
+
+        @pl.when((j < m_blocks) & (block >= 0))
+        def _():
+          store(cache, scale_cache, x, (block, slot % bs, kv), which)
+      else:  # as dynamic_update_slice: the row's start clamped to S - T
+        slot = jnp.clip(start_ref[b], 0, cache.shape[1] - T) + t
+        store(cache, scale_cache, x, (b, slot, kv), which)
+
+    def store(cache, scale_cache, x, where, which):
       dst = _pairs(cache.at[where])
       if dynamic:
         s = jnp.maximum(jnp.max(jnp.abs(x)), reference.MIN_ROW_AMAX) / reference.FP8_MAX

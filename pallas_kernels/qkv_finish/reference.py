@@ -82,15 +82,23 @@ def cache_entries(x, static_scale=None, dynamic: bool = False):
 
 def write(cache, new, starts, block_table=None):
   """cache [B, S, ...] (or pools [N, bs, ...] with block_table [B, M]) with new [B, T, ...] at
-  slots starts[b] + t."""
+  slots starts[b] + t, as maverick.kv_cache writes them: a contiguous row's start is clamped to
+  S - T (dynamic_update_slice's rule); a paged slot whose table entry is negative (no block) or
+  past the table is dropped (an idle row must not write into a block another row holds)."""
   B, T = new.shape[:2]
-  slots = starts.astype(jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  starts = starts.astype(jnp.int32)
+  if block_table is None:
+    starts = jnp.clip(starts, 0, cache.shape[1] - T)
+  slots = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   if block_table is None:
     rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
     return cache.at[rows, slots].set(new.astype(cache.dtype))
-  bs = cache.shape[1]
-  blocks = jnp.take_along_axis(block_table.astype(jnp.int32), slots // bs, axis=1)
-  return cache.at[blocks, slots % bs].set(new.astype(cache.dtype))
+  N, bs = cache.shape[:2]
+  j = slots // bs
+  blocks = jnp.take_along_axis(block_table.astype(jnp.int32),
+                               jnp.clip(j, 0, block_table.shape[1] - 1), axis=1)
+  blocks = jnp.where((j < block_table.shape[1]) & (blocks >= 0), blocks, N)
+  return cache.at[blocks, slots % bs].set(new.astype(cache.dtype), mode="drop")
 
 
 def pack_queries(q, num_kv_heads: int, mpad: int):
