@@ -51,11 +51,14 @@ def _case(name):
       "nope_temperature_fp8_dynamic": (2, 4, 2, 1, 2, nope, "dynamic", False),
       "rope_fp8_static_paged_finished": (3, 1, 2, 2, 1, qf.Layer(INV_FREQ), "static", True),
       "rope_norm_fp8_dynamic_paged_full_tile": (4, 2, 4, 1, 2, rope_norm, "dynamic", True),
+      # one TP8 rank of Maverick at batch-1 decode: 5 query heads over 1 KV head, 8 K-splits
+      "tp8_shard_decode": (1, 1, 5, 1, 8, rope_norm, "bf16", False),
   }[name]
 
 
 CASES = ["rope_norm_bf16_split3", "nope_temperature_fp8_dynamic",
-         "rope_fp8_static_paged_finished", "rope_norm_fp8_dynamic_paged_full_tile"]
+         "rope_fp8_static_paged_finished", "rope_norm_fp8_dynamic_paged_full_tile",
+         "tp8_shard_decode"]
 
 
 def _inputs(name, seed=0):
