@@ -92,8 +92,9 @@ def _sharded(x, weights, scales, quant, kernels, placements, fuse):
 
 
 def _local(x, gate, up, down, s_gate, s_up, s_down, *, quant, kernels,
-           keep_row_padding: bool = False):
-  """The three launches on one device's shards, or None where a kernel declines them."""
+           keep_row_padding: bool = False, gate_up_only: bool = False):
+  """The three launches on one device's shards, or None where a kernel declines them.
+  `gate_up_only`: only the first, for `shared_gate_up`."""
   batch, d = x.shape[:-1], x.shape[-1]
   rows, f = math.prod(batch), gate.shape[0]
   if up.shape != gate.shape or down.shape != (d, f):
@@ -136,6 +137,13 @@ def _local(x, gate, up, down, s_gate, s_up, s_down, *, quant, kernels,
       f"{k_lib._activation_mode(quant, False)}", make_args, run, PROBE_TOL)
   if not k_lib.use_pallas(kernels, ok, probe):
     return None
+  if gate_up_only:
+    pre = k_lib.quantized_rows(x, ub)
+    xq, xs = (pre if pre is not None and pre[0].shape == (rows_up, d)
+              else k_lib._quantize_dynamic(x2, rows_up, ub, "pallas"))
+    g, u = gemm_lib.gemm_many_partials(xq, (gate, up), xs, (s_gate, s_up),
+                                       implementation="pallas")
+    return g, u, rows, rows_down
   y = run("pallas", x2, gate, up, down, s_gate, s_up, s_down, k_lib.quantized_rows(x, ub),
           keep_row_padding)
   return y if keep_row_padding else y.reshape(*batch, d)
@@ -148,3 +156,21 @@ def local_partials(x, gate, up, down, s_gate, s_up, s_down, *, quant, kernels):
     return None
   return _local(x, gate, up, down, s_gate, s_up, s_down, quant=quant, kernels=kernels,
                 keep_row_padding=True)
+
+
+def shared_gate_up(x, gate, up, down, s_gate, s_up, s_down, *, quant, kernels):
+  """Inside the sharded MoE's shard_map: the shared expert's gate / up GEMM outputs for a kernel
+  that makes its SwiGLU rows together with the routed experts' down input
+  (`kernel_moe.moe_experts(shared=)`): (gate, up partials, rows, padded rows), or None where the
+  kernels decline (`local_partials` then runs the MLP whole). Its down: `shared_down`."""
+  if kernels == "xla" or not takes((s_gate, s_up, s_down), quant, (None,) * 3):
+    return None
+  return _local(x, gate, up, down, s_gate, s_up, s_down, quant=quant, kernels=kernels,
+                gate_up_only=True)
+
+
+def shared_down(hq, hs, down, s_down, out_dtype):
+  """The shared expert's down product from its FP8 SwiGLU rows, as a fused site takes it
+  ([S, R, D] K-split partials, each scaled)."""
+  return gemm_lib.gemm_many_partials(hq, (down,), hs, (s_down,), out_dtype=out_dtype,
+                                     implementation="pallas")[0]

@@ -15,6 +15,7 @@ from maverick.quant import ops as quant_ops
 from pallas_kernels import gemm as gemm_lib
 from pallas_kernels import grouped_gemm
 from pallas_kernels import moe_route
+from pallas_kernels import quantize_rows
 from pallas_kernels import selfcheck
 
 # The MoE's per-row expert schedule (decode / verify) up to this many routed rows (rows x top-k):
@@ -23,7 +24,8 @@ ROW_PATH_MAX_ROWS = 64
 
 
 def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str | None, *,
-                scales=None, quant=None, input_scales=None, keep_row_padding: bool = False):
+                scales=None, quant=None, input_scales=None, keep_row_padding: bool = False,
+                shared=None):
   """Routed experts through the grouped GEMM kernels, or None: assignments sorted by expert,
   gate/up + SwiGLU fused in one kernel, down in another. BF16 experts are read in the declared
   (E, in, out) layout; FP8 ones (`scales` = (gate, up, down) per-channel scales, all three set) in
@@ -33,7 +35,11 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   its input once, with the gate's scalar: ModelOpt stores one `gate_up_proj_input_scale` for both
   (the only source of static scales; the loader gives gate and up that one value). Decode too:
   empty groups cost nothing, so there is no gather path. `keep_row_padding`: decode's rows come
-  back as the down kernel writes them, [rows padded to its tile, D] (for the fused site)."""
+  back as the down kernel writes them, [rows padded to its tile, D] (for the fused site).
+  `shared` (`fused_mlp.shared_gate_up`'s (gate, up partials, rows, padded rows)): the shared
+  expert's SwiGLU rows are quantized in the same launch as the routed down input
+  (`quantize_rows.swiglu_and_quantize_rows`, behind its own self-check); returns (y, (its e4m3
+  rows, scales)) then, or y alone where that launch is not taken."""
   if kernels == "xla":
     return None
   N, D = x_nd.shape
@@ -83,7 +89,7 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
               and quant.activation_scale_ub is None)
 
   def run(implementation, x_rows, groups, gate, up, down, s_gate, s_up, s_down, si_gate,
-          si_down, row_weights=None, pre=None, keep_row_padding=False):
+          si_down, row_weights=None, pre=None, keep_row_padding=False, shared=None):
     """groups: per-row expert ids (by_row) or group sizes of rows sorted by expert. `pre`: the
     gate/up input already quantized (e4m3 rows, scales) with the kernel's row tile.
     `row_weights`: the scores the SwiGLU kernel applies (`weighted`)."""
@@ -103,11 +109,20 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
                                     gate_scale=s_gate, up_scale=s_up, w_layout=layout,
                                     out_dtype=x_nd.dtype, implementation=implementation,
                                     row_weights=row_weights)
-    hq, h_scale = rows_in(h, si_down, h.shape[0], implementation)
+    shared_rows = None
+    if shared is not None:  # the shared expert's SwiGLU rows in the same launch
+      g, u, m_s, rows_out_s = shared
+      shared_rows_q, shared_s, hq, h_scale = quantize_rows.swiglu_and_quantize_rows(
+          g, u, h, m=m_s, rows_out=rows_out_s, rows_out_x=h.shape[0],
+          ub=quant.activation_scale_ub, implementation=implementation)
+      shared_rows = (shared_rows_q, shared_s)
+    else:
+      hq, h_scale = rows_in(h, si_down, h.shape[0], implementation)
     out = grouped_gemm.grouped_matmul(hq, down, **where, x_scale=h_scale, w_scale=s_down,
                                       w_layout=layout, out_dtype=x_nd.dtype,
                                       implementation=implementation)
-    return out if keep_row_padding else out[:rows]
+    out = out if keep_row_padding else out[:rows]
+    return out if shared_rows is None else (out, shared_rows)
 
   def make_args(rng):
     if by_row:  # random experts per row, repeats and one past the last (another shard's)
@@ -141,8 +156,13 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
       row_weights, pre = scores.reshape(-1), k_lib.quantized_rows(x_nd, None)
     else:
       x_rows = x_rows * scores.reshape(-1)[:, None]
+    tile = grouped_gemm.row_tile(x_rows.shape[0], gate_edf, x_dtype=in_dtype, w_scale=s_gate,
+                                 w_layout=layout, out_dtype=x_nd.dtype, swiglu=True)
+    routed_rows = (x_rows.shape[0] + (-x_rows.shape[0] % tile), F)
+    shared = shared if weighted and _takes_shared(shared, routed_rows, kernels, quant) else None
     y = run("pallas", x_rows, top_idx.reshape(-1).astype(jnp.int32), gate_edf, up_edf, down_efd,
-            s_gate, s_up, s_down, si_gate, si_down, row_weights, pre, keep_row_padding and k == 1)
+            s_gate, s_up, s_down, si_gate, si_down, row_weights, pre, keep_row_padding and k == 1,
+            shared)
     if k == 1:
       return y
     return y.astype(jnp.float32).reshape(N, k, D).sum(1).astype(x_nd.dtype)
@@ -154,6 +174,35 @@ def moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels: str 
   y = run("pallas", x_sorted, group_sizes, gate_edf, up_edf, down_efd, s_gate, s_up, s_down,
           si_gate, si_down)
   return jnp.zeros((N, D), jnp.float32).at[token].add(y).astype(x_nd.dtype)
+
+
+def _takes_shared(shared, routed_rows, kernels, quant) -> bool:
+  """Whether the routed down input (its SwiGLU rows: shape `routed_rows`) and the shared
+  expert's SwiGLU rows (`shared`) are quantized in one launch: the kernel takes both shapes and
+  (auto mode) passed its self-check."""
+  if shared is None:
+    return False
+  g, u, m, rows_out = shared
+  ub = quant.activation_scale_ub
+
+  def run(implementation, g, u, h):  # the probe compares one array: every row, dequantized
+    hq, hs, xq, xs = quantize_rows.swiglu_and_quantize_rows(
+        g, u, h, m=m, rows_out=rows_out, rows_out_x=h.shape[0], ub=ub,
+        implementation=implementation)
+    deq = lambda q, s: (q.astype(jnp.float32) * s[:, None]).reshape(-1)
+    return jnp.concatenate([deq(hq, hs), deq(xq, xs)])
+
+  def make_args(rng):
+    return (k_lib._normal(rng, g.shape, g.dtype), k_lib._normal(rng, u.shape, u.dtype),
+            k_lib._normal(rng, routed_rows, jnp.bfloat16))
+
+  probe = selfcheck.Probe(
+      "swiglu_and_quantize_rows", f"shared gate/up {k_lib._sig(g)} with routed rows "
+      f"{list(routed_rows)}", f"{k_lib._sig(g, u)} m={m} rows_out={rows_out} "
+      f"routed={routed_rows} ub={ub}", make_args, run, k_lib.EPILOGUE_PROBE_TOL)
+  ok = (quantize_rows.pallas_support(m, g.shape[2], rows_out, jnp.float32)[0]
+        and quantize_rows.pallas_support(*routed_rows, routed_rows[0], jnp.bfloat16)[0])
+  return k_lib.use_pallas(kernels, ok, probe)
 
 
 def route_top1(x_nd, router_de, kernels: str | None):

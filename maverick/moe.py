@@ -142,7 +142,7 @@ def _gathered_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd):
 def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf: jax.Array,
                 up_edf: jax.Array, down_efd: jax.Array, *, impl: str = "tiles", scales=None,
                 quant=None, kernels: str | None = "xla", input_scales=None,
-                keep_row_padding: bool = False) -> jax.Array:
+                keep_row_padding: bool = False, shared=None) -> jax.Array:
   """Sum over the k chosen experts of Expert_e(score * x) (the score scales the expert INPUT).
 
   The weights are named by their declared layout (gate/up [E,D,F], down [E,F,D]); an FP8 one is
@@ -155,7 +155,8 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
   With at most one assignment per expert on average (decode and verification steps) the chosen
   weights are gathered; otherwise tokens are sorted by expert for a grouped matmul (`impl`).
   `kernels` (see maverick.kernels): the Pallas grouped GEMM kernels, BF16 or FP8 experts.
-  `keep_row_padding`: the kernels' [R >= N, D] rows may come back unsliced (for the fused site)."""
+  `keep_row_padding`: the kernels' [R >= N, D] rows may come back unsliced (for the fused site).
+  `shared`: see kernel_moe.moe_experts (the result may then be (y, the shared SwiGLU rows))."""
   N, D = x_nd.shape
   k = top_idx.shape[-1]
   E = gate_edf.shape[0]
@@ -165,7 +166,7 @@ def moe_experts(x_nd: jax.Array, top_idx: jax.Array, scores: jax.Array, gate_edf
     y = kernel_moe.moe_experts(x_nd, top_idx, scores, gate_edf, up_edf, down_efd, kernels,
                                 scales=scales if quantized else None, quant=quant,
                                 input_scales=input_scales if static else None,
-                                keep_row_padding=keep_row_padding)
+                                keep_row_padding=keep_row_padding, shared=shared)
     if y is not None:
       return y
   if quantized:
@@ -307,10 +308,18 @@ def sharded_moe(plan: Plan, x_nd, router_de, gate_edf, up_edf, down_efd, shared,
     # The fused site takes the routed and the shared expert's products as two terms as the
     # kernels leave them (tile-padded rows, the shared down's K-split partials): no XLA add.
     terms = fuse is not None and ex is None
+    shared_in = None  # the shared expert's gate / up, its SwiGLU quantized beside the routed rows
+    if terms and fused_mlp.takes(s_scales, quant, s_in):
+      shared_in = fused_mlp.shared_gate_up(x, sg, su, sd, *s_scales, quant=quant,
+                                           kernels=kernels)
     y = moe_experts(x, top_idx, scores, gate, up, down, impl=impl, scales=e_scales,
-                    quant=quant, kernels=kernels, input_scales=e_in, keep_row_padding=terms)
+                    quant=quant, kernels=kernels, input_scales=e_in, keep_row_padding=terms,
+                    shared=shared_in)
     shared_partials = None
-    if terms and fused_mlp.takes(s_scales, quant, s_in) and y.shape[0] >= x.shape[0]:
+    if isinstance(y, tuple):  # the shared SwiGLU rows came from the routed quantize launch
+      y, (hq, hs) = y
+      shared_partials = fused_mlp.shared_down(hq, hs, sd, s_scales[2], x.dtype)
+    elif terms and fused_mlp.takes(s_scales, quant, s_in) and y.shape[0] >= x.shape[0]:
       shared_partials = fused_mlp.local_partials(x, sg, su, sd, *s_scales, quant=quant,
                                                  kernels=kernels)
     if shared_partials is not None:

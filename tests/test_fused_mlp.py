@@ -20,6 +20,7 @@ import pytest
 import pallas_kernels
 from maverick import config as config_lib
 from maverick import fused_mlp
+from maverick import kernel_moe
 from maverick import kernels as kernels_lib
 from maverick import model as model_lib
 from maverick import moe
@@ -197,13 +198,23 @@ def test_tp8_moe_site_takes_the_routed_and_shared_products_as_two_terms(referenc
       out = _prefill_then_decode(model, tokens)
     terms = [len(shapes) for name, shapes, *_ in reference_kernels
              if name == "allreduce_residual_norm"]
+    merged = sum(name == "swiglu_and_quantize_rows" for name, *_ in reference_kernels)
     reference_kernels.clear()
-    return out, terms
+    return out, terms, merged
 
-  (prefill, step), terms = run()
+  (prefill, step), terms, merged = run()
+  # Decode's MoE site: the shared expert's SwiGLU rows and the routed experts' down input in one
+  # launch (prefill sorts its rows by expert: its own quantize launches).
+  assert merged == 1, merged
+  with monkeypatch.context() as m:  # the two quantize launches apart: the same numbers
+    m.setattr(kernel_moe, "_takes_shared", lambda *a, **k: False)
+    (prefill1, step1), terms1, merged1 = run()
+  assert merged1 == 0 and terms1 == terms
+  np.testing.assert_array_equal(step, step1)
   with monkeypatch.context() as m:
     m.setattr(fused_mlp, "local_partials", lambda *a, **k: None)
-    (prefill0, step0), terms0 = run()
+    m.setattr(fused_mlp, "shared_gate_up", lambda *a, **k: None)
+    (prefill0, step0), terms0, _ = run()
   # (partials..., residual, weight[, semaphores]): the MoE site (1 of 5 per forward) has one more.
   assert sorted(set(terms)) == [min(terms), min(terms) + 1] and set(terms0) == {min(terms)}
   assert terms.count(min(terms) + 1) == 2, terms  # the MoE layer's site, prefill and decode

@@ -186,3 +186,36 @@ def test_swiglu_quantize_bad_input():
   with pytest.raises(KernelInputError, match=r"expected x \[4\]"):
     qr.swiglu_quantize_rows(g, g, jnp.ones((3,)), jnp.ones((256,)), jnp.ones((256,)), m=2,
                             rows_out=4)
+
+
+@pytest.mark.parametrize("ub", [None, 0.5], ids=["no_cap", "ub_caps"])
+def test_swiglu_and_rows_in_one_launch_match_float64(ub):
+  """A MoE layer's shared-expert SwiGLU rows and its routed experts' down input rows quantized in
+  one launch: each output as its own op's float64 oracle (and the two XLA references)."""
+  rng = np.random.default_rng(21)
+  gate = jnp.asarray(rng.standard_normal((3, 8, 1024)) * 2, jnp.float32)
+  up = jnp.asarray(rng.standard_normal((3, 8, 1024)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
+  kw = dict(m=2, rows_out=8, rows_out_x=8, ub=ub)
+  with pallas_kernels.interpret():
+    hq, hs, xq, xs = qr.swiglu_and_quantize_rows(gate, up, x, implementation="pallas", **kw)
+  h = _np_swiglu(gate, up, None, None, None, 2)
+  _check_swiglu(hq, hs, h, 8, ub)
+  _check(xq, xs, np.asarray(x, np.float64), 8, ub)
+  assert not np.asarray(xq[5:].astype(jnp.float32)).any()
+  refs = qr.swiglu_and_quantize_rows(gate, up, x, implementation="xla", **kw)
+  _check_swiglu(*refs[:2], h, 8, ub)
+  _check(*refs[2:], np.asarray(x, np.float64), 8, ub)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_swiglu_and_rows_lower_at_the_maverick_moe_shard(arch):
+  """TP8: the shared expert's 1024 columns (8 K-split partials of a 64-row tile) and the routed
+  experts' 1024-wide SwiGLU rows."""
+  sd = jax.ShapeDtypeStruct
+  text = pallas_kernels.lower_for_gpu(
+      lambda g, u, x: qr.swiglu_and_quantize_rows(g, u, x, m=1, rows_out=64, rows_out_x=64,
+                                                  implementation="pallas"),
+      sd((8, 64, 1024), jnp.float32), sd((8, 64, 1024), jnp.float32),
+      sd((64, 1024), jnp.bfloat16), arch=arch)
+  assert text.count("mosaic_gpu_v2(") == 1

@@ -58,9 +58,10 @@ _ENTRY_POINTS = [(gemm, "gemm"), (gemm, "gemm_many"), (grouped_gemm, "grouped_sw
                  (gemm, "gemm_many_partials"), (moe_route, "route_top1"),
                  # FP8 models only (maverick.fused_mlp, the per-token quantization):
                  (quantize_rows, "swiglu_quantize_rows"), (quantize_rows, "quantize_rows"),
+                 (quantize_rows, "swiglu_and_quantize_rows"),
                  # head_dim 128 only (maverick.fused_attention; tests/test_fused_attention.py):
                  (qkv_finish, "qkv_finish")]
-FP8_ONLY = {"swiglu_quantize_rows", "quantize_rows"}
+FP8_ONLY = {"swiglu_quantize_rows", "quantize_rows", "swiglu_and_quantize_rows"}
 HEAD_DIM_128_ONLY = {"qkv_finish"}
 
 

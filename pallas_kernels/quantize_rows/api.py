@@ -16,6 +16,8 @@ FP8 = reference.FP8
 MAX_ROWS = 1024
 _KERNEL = common.lowered_once(kernel.quantize, ("rows_out", "ub"))
 _SWIGLU_KERNEL = common.lowered_once(kernel.swiglu_quantize, ("m", "rows_out", "ub"))
+_BOTH_KERNEL = common.lowered_once(kernel.swiglu_and_rows_quantize,
+                                   ("m", "rows_out", "m_x", "rows_out_x", "ub"))
 
 
 def pallas_support(m: int, k: int, rows_out: int, dtype) -> tuple[bool, str]:
@@ -76,3 +78,27 @@ def swiglu_quantize_rows(gate, up, x_scale=None, gate_scale=None, up_scale=None,
   if common.resolve(implementation, supported=ok, why=why) == "xla":
     return reference.swiglu_quantize_rows(gate, up, *scales, m, rows_out, ub)
   return _SWIGLU_KERNEL(gate, up, *scales, m=m, rows_out=rows_out, ub=ub)
+
+
+def swiglu_and_quantize_rows(gate, up, x, *, m: int, rows_out: int, rows_out_x: int,
+                             ub: float | None = None, implementation: str | None = None):
+  """`swiglu_quantize_rows(gate, up, m=m, rows_out=rows_out, ub=ub)` (gate / up as
+  `gemm.gemm_many_partials` leaves them: no scales to apply) and `quantize_rows(x, rows_out_x,
+  ub)` of x [M_x, K] in one launch -> (h e4m3 [rows_out, N], its scales, x e4m3
+  [rows_out_x, K], its scales). A MoE layer's shared-expert SwiGLU and its routed experts' down
+  input are quantized back to back: one launch instead of two."""
+  check(gate.ndim == 3 and up.shape == gate.shape and x.ndim == 2,
+        f"swiglu_and_quantize_rows: gate {gate.shape}, up {up.shape}, x {x.shape}; expected "
+        "[S, R, N] twice and [M, K]")
+  check(1 <= m <= gate.shape[1] and rows_out >= m and rows_out_x >= x.shape[0],
+        f"swiglu_and_quantize_rows: m={m}, rows_out={rows_out}, rows_out_x={rows_out_x} for "
+        f"{gate.shape[1]} and {x.shape[0]} rows")
+  check(ub is None or ub > 0, f"swiglu_and_quantize_rows: ub={ub!r}; pass a positive cap or None")
+  ok_h, why_h = pallas_support(m, gate.shape[2], rows_out, jnp.float32)
+  ok_x, why_x = pallas_support(*x.shape, rows_out_x, x.dtype)
+  impl = common.resolve(implementation, supported=ok_h and ok_x, why=why_h or why_x)
+  if impl == "xla":
+    return (*reference.swiglu_quantize_rows(gate, up, None, None, None, m, rows_out, ub),
+            *reference.quantize_rows(x, rows_out_x, ub))
+  return _BOTH_KERNEL(gate, up, x, m=m, rows_out=rows_out, m_x=x.shape[0],
+                      rows_out_x=rows_out_x, ub=ub)
