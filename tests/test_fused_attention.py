@@ -105,8 +105,9 @@ def test_layer_matches_the_xla_path(name, finish_calls):
     got, got_cache = _call(attn, layer, cache, x, positions, paged)
   assert finish_calls == ["pallas"], "the fused path did not run"
   # The decode kernel's bf16 per-split partials and the GEMM's K split vs XLA's einsum (measured
-  # 2-6e-3); a wrong RoPE pair, slot or head is O(1).
-  assert _rel(got, want) < 2e-2
+  # 0.36 %, 1.2 % with FP8 weights, 0.39 % on an EPYC); a wrong RoPE pair, slot, head or
+  # temperature is 10 % or more.
+  assert _rel(got, want) < 3e-2
   for new, ref, old in zip(got_cache, want_cache, cache.layer(layer)):
     new, ref, old = (np.asarray(a.astype(jnp.float32)) for a in (new, ref, old))
     changed = np.any(ref != old, axis=tuple(range(2, ref.ndim)))  # the slots XLA wrote

@@ -120,7 +120,7 @@ def _check(inp, q, caches):
   got = np.asarray(q, np.float64).reshape(B, K, 64, DH)
   packed = got[:, :, :T * G].reshape(B, K, T, G, DH).transpose(0, 2, 1, 3, 4).reshape(
       B, T, H, DH)
-  np.testing.assert_allclose(packed, want_q, rtol=2.0 ** -7, atol=1e-6)
+  np.testing.assert_allclose(packed, want_q, rtol=2.0 ** -6, atol=1e-6)  # <= 2 bf16 roundings
   assert not got[:, :, T * G:].any(), "packed query rows past T * G must be zero"
   idx, others = _slots(inp)
   for i, (new, old, want) in enumerate(zip(caches[:2], inp["caches"][:2], (want_k, want_v))):
@@ -128,7 +128,7 @@ def _check(inp, q, caches):
     np.testing.assert_array_equal(new[others], old[others])  # nothing else written
     entries = new[idx].astype(np.float64)  # [B, T, K, Dh]
     if kind == "bf16":
-      np.testing.assert_allclose(entries, want, rtol=2.0 ** -7, atol=1e-6)
+      np.testing.assert_allclose(entries, want, rtol=2.0 ** -6, atol=1e-6)
       continue
     if kind == "dynamic":
       scales = np.asarray(caches[2 + i])
@@ -271,3 +271,27 @@ def _interpreted(implementation, fn):
     return fn()
   with pallas_kernels.interpret():
     return fn()
+
+
+def test_decode_attention_takes_the_packed_queries():
+  """decode_attention(q_packed=) on qkv_finish's output equals the call on q itself (the XLA
+  path unpacks it; interpret mode runs the kernel on it), and a wrongly shaped pack is refused
+  with the shape it needs."""
+  from pallas_kernels import decode_attention as decode
+  rng = np.random.default_rng(11)
+  B, T, H, K, S = 2, 2, 4, 1, 128
+  q = jnp.asarray(rng.standard_normal((B, T, H, DH)), jnp.bfloat16)
+  kc, vc = (jnp.asarray(rng.standard_normal((B, S, K, DH)), jnp.bfloat16) for _ in range(2))
+  pos = jnp.asarray([[40, 41], [90, 91]], jnp.int32)
+  mpad = decode.packed_rows(T, H, K)
+  from pallas_kernels.qkv_finish import reference
+  packed = reference.pack_queries(q, K, mpad)
+  shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  for impl in ("xla", "pallas"):
+    with pallas_kernels.interpret():
+      want = decode.decode_attention(q, kc, vc, pos, implementation=impl)
+      got = decode.decode_attention(shape, kc, vc, pos, implementation=impl, q_packed=packed)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  with pytest.raises(KernelInputError, match=r"q_packed: got shape \(2, 8, 128\).*expected "
+                                             r"bfloat16 \[B\*K=2, 64, 128\]"):
+    decode.decode_attention(shape, kc, vc, pos, q_packed=packed[:, :8])

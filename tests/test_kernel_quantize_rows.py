@@ -219,3 +219,13 @@ def test_swiglu_and_rows_lower_at_the_maverick_moe_shard(arch):
       sd((8, 64, 1024), jnp.float32), sd((8, 64, 1024), jnp.float32),
       sd((64, 1024), jnp.bfloat16), arch=arch)
   assert text.count("mosaic_gpu_v2(") == 1
+
+
+def test_swiglu_and_rows_bad_input():
+  g, x = jnp.ones((2, 4, 256), jnp.float32), jnp.ones((3, 256), jnp.bfloat16)
+  with pytest.raises(KernelInputError, match=r"expected \[S, R, N\] twice and \[M, K\]"):
+    qr.swiglu_and_quantize_rows(g, g[:1], x, m=2, rows_out=4, rows_out_x=4)
+  with pytest.raises(KernelInputError, match=r"rows_out_x=2 for 4 and 3 rows"):
+    qr.swiglu_and_quantize_rows(g, g, x, m=2, rows_out=4, rows_out_x=2)
+  with pytest.raises(KernelInputError, match=r"ub=-1.0"):
+    qr.swiglu_and_quantize_rows(g, g, x, m=2, rows_out=4, rows_out_x=4, ub=-1.0)

@@ -123,9 +123,10 @@ def _kernel_module(arch: str):
 
 
 def packed_rows(steps: int, heads: int, kv_heads: int, arch: str | None = None) -> int:
-  """Mpad: the packed query rows per (row, KV head) the kernel on `arch` (default the target)
-  reads for `steps` tokens: T * G rounded up to its row tile. `q_packed` has this many."""
-  block_m = _kernel_module(arch or common.target_arch()).BLOCK_M
+  """Mpad: the packed query rows per (row, KV head) the kernel on `arch` (default the one a
+  kernel would run on; Hopper's where none can) reads for `steps` tokens: T * G rounded up to
+  its row tile. `q_packed` has this many."""
+  block_m = _kernel_module(arch or common.runnable_arch() or "sm90").BLOCK_M
   return -(-steps * (heads // kv_heads) // block_m) * block_m
 
 
